@@ -1,0 +1,1 @@
+"""dflash-build: checkpoints, torch networks with taps, drafter initialisation (and, later, ONNX/engines)."""

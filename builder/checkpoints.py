@@ -1,0 +1,276 @@
+"""Checkpoint loading: HF target checkpoints and z-lab DFlash drafter checkpoints.
+
+A target is a directory with `config.json` and safetensors weights (`model.safetensors` or shards).
+A drafter is a z-lab DFlash directory: `config.json` with `architectures: ["DFlashDraftModel"]`, Qwen3
+fields, `num_target_layers`, and `block_size` either top-level (legacy schema) or inside `dflash_config`
+(newer schema, which also holds `mask_token_id`, `target_layer_ids`, optional `causal`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, malformed, unsupported, or does not fit its partner."""
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The fields of an HF decoder-only config that the target network needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter: Qwen3-style layers with KV injection, reading target taps."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: int
+    qkv_bias: bool
+    hidden_act: str
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    mask_token_id: int
+    layer_causal: tuple[bool, ...]  # per drafter layer: causal inside the block
+    layer_window: tuple[int | None, ...]  # per drafter layer: sliding window, None = unlimited
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Default tap layers: one tap -> the middle layer; n taps -> spread over layers 1..N-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
+
+
+def read_config_json(checkpoint_dir: Path) -> dict[str, Any]:
+    config_path = checkpoint_dir / "config.json"
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(
+            f"checkpoint directory {str(checkpoint_dir)!r} does not exist; pass a local directory holding "
+            "config.json and *.safetensors (download it first, e.g. `hf download ORG/NAME --local-dir DIR`)"
+        )
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{str(checkpoint_dir)!r} has no config.json; a checkpoint directory needs config.json and *.safetensors"
+        )
+    try:
+        loaded: dict[str, Any] = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{config_path} is not valid JSON: {error}") from error
+    return loaded
+
+
+def _rope_parameters(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if params["rope_type"] not in STATIC_ROPE_TYPES:
+        raise CheckpointError(
+            f"{where}: rope_type {params['rope_type']!r} is not supported (supported: {', '.join(STATIC_ROPE_TYPES)}); "
+            "length-dependent RoPE cannot be baked into a static engine"
+        )
+    return params
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise CheckpointError(f"checkpoint dtype {name!r} is not supported; use one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_TARGET_TYPES:
+        raise CheckpointError(
+            f"{where}: model_type {model_type!r} is not supported as a target; supported: "
+            f"{', '.join(SUPPORTED_TARGET_TYPES)}"
+        )
+    if model_type == "qwen2" and raw.get("use_sliding_window", False):
+        raise CheckpointError(f"{where}: qwen2 with use_sliding_window=true is not supported; set it to false")
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    attention_bias = bool(raw.get("attention_bias", False))
+    return TargetConfig(
+        model_type=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(raw, where),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+        bos_token_id=raw.get("bos_token_id"),
+        dtype=checkpoint_dtype(raw),
+    )
+
+
+def _dflash_value(raw: dict[str, Any], name: str, default: Any = None) -> Any:
+    """Newer schema keeps DFlash fields in `dflash_config`; the legacy one keeps them top-level."""
+    nested = raw.get("dflash_config") or {}
+    return nested.get(name, raw.get(name, default))
+
+
+def _layer_attention_shape(raw: dict[str, Any], num_layers: int) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if len(layer_types) != num_layers:
+        raise CheckpointError(f"drafter: layer_types has {len(layer_types)} entries for {num_layers} layers")
+    causal_override = _dflash_value(raw, "causal", raw.get("is_causal"))
+    causal: list[bool] = []
+    window: list[int | None] = []
+    for layer_type in layer_types:
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise CheckpointError(
+                f"drafter: layer type {layer_type!r} is not supported; use full_attention or sliding_attention"
+            )
+        sliding = layer_type == "sliding_attention"
+        causal.append(sliding if causal_override is None else bool(causal_override))
+        window.append(int(raw["sliding_window"]) if sliding else None)
+    return tuple(causal), tuple(window)
+
+
+def parse_drafter_config(raw: dict[str, Any], where: str = "drafter") -> DrafterConfig:
+    architectures = raw.get("architectures") or []
+    if DRAFTER_ARCHITECTURE not in architectures:
+        raise CheckpointError(
+            f"{where}: architectures {architectures!r} does not name {DRAFTER_ARCHITECTURE!r}; "
+            "pass a z-lab DFlash drafter checkpoint (DFlash2DraftModel is not supported yet)"
+        )
+    num_layers = int(raw["num_hidden_layers"])
+    if "num_target_layers" not in raw:
+        raise CheckpointError(f"{where}: config.json lacks num_target_layers (the target's decoder layer count)")
+    num_target_layers = int(raw["num_target_layers"])
+    mask_token_id = _dflash_value(raw, "mask_token_id")
+    if mask_token_id is None:
+        raise CheckpointError(f"{where}: no mask_token_id (in dflash_config or top-level); set an unused vocabulary row")
+    layer_ids = _dflash_value(raw, "target_layer_ids") or build_target_layer_ids(num_target_layers, num_layers)
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    causal, window = _layer_attention_shape(raw, num_layers)
+    softcap = _dflash_value(raw, "final_logit_softcapping")
+    return DrafterConfig(
+        hidden_size=hidden_size,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_parameters=_rope_parameters(raw, where),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        vocab_size=int(raw.get("vocab_size", 0)),
+        num_target_layers=num_target_layers,
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        block_size=int(_dflash_value(raw, "block_size", 16)),
+        mask_token_id=int(mask_token_id),
+        layer_causal=causal,
+        layer_window=window,
+        input_embedding_scale=float(_dflash_value(raw, "input_embedding_scale", 1.0)),
+        output_multiplier=float(_dflash_value(raw, "output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+    )
+
+
+def check_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
+    """Raise a CheckpointError naming the mismatch if this drafter cannot serve this target."""
+    if drafter.hidden_size != target.hidden_size:
+        raise CheckpointError(
+            f"drafter hidden_size {drafter.hidden_size} != target hidden_size {target.hidden_size}: "
+            "the drafter reads target embeddings and taps, so it must be trained for this target"
+        )
+    if not 0 <= drafter.mask_token_id < target.vocab_size:
+        raise CheckpointError(
+            f"drafter mask_token_id {drafter.mask_token_id} is outside the target vocabulary [0, {target.vocab_size}); "
+            "set dflash_config.mask_token_id to an unused row of the target's embedding table"
+        )
+    bad_taps = [i for i in drafter.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad_taps:
+        raise CheckpointError(
+            f"drafter target_layer_ids {list(drafter.target_layer_ids)} include {bad_taps}, not below the target's "
+            f"{target.num_layers} layers; the drafter was made for a different target"
+        )
+    if drafter.num_target_layers != target.num_layers:
+        raise CheckpointError(
+            f"drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_layers}: "
+            "the drafter was made for a different target"
+        )
+
+
+def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of every *.safetensors file in the directory, with any leading `model.` stripped."""
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{str(checkpoint_dir)!r} holds no *.safetensors weights; convert .bin/.gguf checkpoints to safetensors first"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(str(path)).items():
+            state[name.removeprefix("model.")] = tensor
+    return state

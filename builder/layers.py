@@ -1,0 +1,91 @@
+"""Transformer building blocks shared by the target and drafter networks (Llama/Qwen conventions).
+
+Shapes: B batch, S query tokens, T key slots, H heads, Hkv key/value heads, D head dim, E hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as Llama/Qwen do."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(input_dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, act: str) -> None:
+        super().__init__()
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; Llama/Qwen checkpoints use 'silu'")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inverse_frequencies(rope_parameters: dict[str, Any], head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [D/2], attention_scaling) for a static RoPE type, computed by transformers' own init functions."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "default":
+        dims = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (float(rope_parameters["rope_theta"]) ** dims), 1.0
+    config = PretrainedConfig()
+    config.rope_parameters = dict(rope_parameters)
+    config.head_dim = head_dim
+    config.hidden_size = head_dim
+    config.num_attention_heads = 1
+    config.max_position_embeddings = max_positions
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions: [B, S] -> cos, sin: [B, S, D]
+    freqs = positions[..., None].float() * inv_freq.float()
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, S, H, D]; cos, sin: [B, S, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with grouped K/V heads.
+
+    q: [B, S, H, D]; k, v: [B, T, Hkv, D]; visible: [B, S, T] bool -> [B, S, H*D]
+    """
+    groups = q.shape[2] // k.shape[2]
+    q_t = q.transpose(1, 2)  # [B, H, S, D]
+    k_t = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, H, T, D]
+    v_t = v.transpose(1, 2).repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)

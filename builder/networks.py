@@ -1,0 +1,263 @@
+"""Torch networks: the target (logits + tap features, static position-indexed KV cache) and the DFlash drafter.
+
+These are the reference semantics that ONNX export traces. Parameter names match the checkpoints
+(HF targets with the leading `model.` stripped; z-lab drafters as stored), so state dicts load directly.
+Shapes: B batch, S tokens, T cache slots, L layers, H/Hkv heads, D head dim, E hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_trt.builder.checkpoints import (
+    CheckpointError,
+    checkpoint_dtype,
+    DrafterConfig,
+    TargetConfig,
+    load_safetensors_dir,
+    parse_drafter_config,
+    parse_target_config,
+    read_config_json,
+)
+from dflash_trt.builder.layers import GatedMLP, RMSNorm, apply_rotary, masked_attention, rope_inverse_frequencies, rotary_cos_sin
+from dflash_trt.plugins.block_denoise import block_denoise
+from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap
+
+
+@dataclass
+class KVCache:
+    """Static cache indexed by position: row t of a sequence holds the K/V of its token at position t."""
+
+    k: torch.Tensor  # [L, B, T, Hkv, D]
+    v: torch.Tensor  # [L, B, T, Hkv, D]
+
+    @staticmethod
+    def allocate(num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCache:
+        shape = (num_layers, batch, slots, kv_heads, head_dim)
+        return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
+        """positions: [B, S]; k, v: [B, S, Hkv, D] for one layer, or [L, B, S, Hkv, D] for all (layer=None)."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
+        if layer is None:
+            self.k[:, rows, positions] = k.to(self.k.dtype)
+            self.v[:, rows, positions] = v.to(self.v.dtype)
+        else:
+            self.k[layer, rows, positions] = k.to(self.k.dtype)
+            self.v[layer, rows, positions] = v.to(self.v.dtype)
+
+
+class TargetAttention(nn.Module):
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        e, h, hkv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.head_dim = d
+        self.q_proj = nn.Linear(e, h * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(h * d, e, bias=config.o_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int, kv_len: int
+    ) -> torch.Tensor:
+        # x: [B, S, E]; positions: [B, S]
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.write(positions, k, v, layer)
+        key_positions = torch.arange(kv_len, device=x.device)
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, S, kv_len], causal by position
+        out = masked_attention(q, cache.k[layer, :, :kv_len], cache.v[layer, :, :kv_len], visible, self.head_dim**-0.5)
+        return self.o_proj(out)
+
+
+class TargetLayer(nn.Module):
+    """One decoder layer. Hybrid targets (qwen3_5) add a linear-attention variant beside this one."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = TargetAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int, kv_len: int
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetNetwork(nn.Module):
+    """Decoder-only target returning logits and the concatenated outputs of the tap layers."""
+
+    def __init__(self, config: TargetConfig, tap_layer_ids: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.config = config
+        self.tap_layer_ids = tap_layer_ids
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TargetLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def allocate_cache(self, batch: int, slots: int) -> KVCache:
+        c = self.config
+        return KVCache.allocate(c.num_layers, batch, slots, c.num_kv_heads, c.head_dim, self.embed_tokens.weight.dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [B, S] -> logits [B, S or keep, V], taps [B, S, n_taps*E]; writes cache rows."""
+        kv_len = int(positions.max()) + 1
+        x = self.embed_tokens(input_ids)  # [B, S, E]
+        cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        taps: dict[int, torch.Tensor] = {}
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, positions, cache, index, kv_len)
+            if index in self.tap_layer_ids and index != last:
+                taps[index] = x
+        x = self.norm(x)
+        if last in self.tap_layer_ids:
+            taps[last] = x  # HF's hidden_states[-1] is the final-normed output
+        tap_features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1) if self.tap_layer_ids else x[..., :0]
+        logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+        return logits, tap_features
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config: DrafterConfig, causal: bool, window: int | None) -> None:
+        super().__init__()
+        e, h, hkv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        self.head_dim, self.causal, self.window = d, causal, window
+        self.q_proj = nn.Linear(e, h * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(h * d, e, bias=config.qkv_bias)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_len: torch.Tensor
+    ) -> torch.Tensor:
+        # x: [B, S, E] normed block; ctx_k, ctx_v: [B, T, Hkv, D]
+        q = apply_rotary(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.head_dim))), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.head_dim))), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        out = block_denoise(q, k, v, ctx_k, ctx_v, ctx_len, positions, self.causal, self.window, self.head_dim**-0.5)
+        return self.o_proj(out)
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, causal: bool, window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DrafterAttention(config, causal, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, config.hidden_act)
+
+
+class DrafterNetwork(nn.Module):
+    """DFlash drafter: KV injection of the fused target context into every layer, one pass per block."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        self.config = config
+        n_taps = len(config.target_layer_ids)
+        self.fc = nn.Linear(n_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DrafterLayer(config, causal, window) for causal, window in zip(config.layer_causal, config.layer_window)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def allocate_cache(self, batch: int, slots: int) -> KVCache:
+        c = self.config
+        return KVCache.allocate(c.num_layers, batch, slots, c.num_kv_heads, c.head_dim, self.fc.weight.dtype)
+
+    def tap_weights(self) -> TapWeights:
+        attns = [layer.self_attn for layer in self.layers]
+        return TapWeights(
+            fc=self.fc.weight,
+            hidden_norm=self.hidden_norm.weight,
+            k_proj=[a.k_proj.weight for a in attns],
+            k_bias=[a.k_proj.bias for a in attns],
+            v_proj=[a.v_proj.weight for a in attns],
+            v_bias=[a.v_proj.bias for a in attns],
+            k_norm=[a.k_norm.weight for a in attns],
+            inv_freq=self.inv_freq,
+            rope_scaling=self.rope_scaling,
+            eps=self.config.rms_norm_eps,
+        )
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """taps: [B, T, n_taps*E], positions: [B, T] -> ctx K, V: [L, B, T, Hkv, D] (the HiddenStateTap op)."""
+        return hidden_state_tap(taps.to(self.fc.weight.dtype), positions, self.tap_weights())
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_cache: KVCache, ctx_len: torch.Tensor) -> torch.Tensor:
+        """block_embeds: [B, S, E], block_positions: [B, S], ctx_len: [B] -> normed hidden [B, S, E]."""
+        x = block_embeds
+        cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, block_positions, x.dtype)
+        ctx_slots = int(ctx_len.max())
+        for index, layer in enumerate(self.layers):
+            attn_in = layer.input_layernorm(x)
+            ctx_k, ctx_v = ctx_cache.k[index, :, :ctx_slots], ctx_cache.v[index, :, :ctx_slots]
+            x = x + layer.self_attn(attn_in, cos, sin, block_positions, ctx_k, ctx_v, ctx_len)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+
+def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, config: DrafterConfig) -> torch.Tensor:
+    """hidden: [B, S, E] -> logits [B, S, V] through the target's lm_head (drafters carry none)."""
+    logits = F.linear(hidden, lm_head_weight) * config.output_multiplier
+    if config.final_logit_softcapping is not None:
+        cap = config.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _load_state(module: nn.Module, state: dict[str, torch.Tensor], where: str, ignore: tuple[str, ...] = ()) -> None:
+    expected = {name for name in module.state_dict() if not name.startswith(ignore)}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise CheckpointError(f"{where}: weights missing from the safetensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+
+
+def load_target(checkpoint_dir: Path, tap_layer_ids: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> TargetNetwork:
+    """Load an HF llama/qwen2/qwen3 checkpoint directory as a TargetNetwork (eval mode)."""
+    config = parse_target_config(read_config_json(checkpoint_dir), where=str(checkpoint_dir))
+    network = TargetNetwork(config, tap_layer_ids)
+    state = load_safetensors_dir(checkpoint_dir)
+    ignore = ("lm_head",) if config.tie_word_embeddings else ()
+    _load_state(network, state, str(checkpoint_dir), ignore)
+    return network.to(dtype or config.dtype).eval()
+
+
+def load_drafter(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> DrafterNetwork:
+    """Load a z-lab DFlash drafter directory (either config schema) as a DrafterNetwork (eval mode)."""
+    raw = read_config_json(checkpoint_dir)
+    config = parse_drafter_config(raw, where=str(checkpoint_dir))
+    network = DrafterNetwork(config)
+    _load_state(network, load_safetensors_dir(checkpoint_dir), str(checkpoint_dir))
+    return network.to(dtype or checkpoint_dtype(raw)).eval()

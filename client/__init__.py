@@ -1,0 +1,1 @@
+"""Triton gRPC/HTTP clients for a served dflash model repository (dflash-client, dflash-bench)."""

@@ -1,0 +1,1 @@
+"""The draft-verify loop: engine protocol, sampling, stop criteria and per-request statistics."""

@@ -1,0 +1,68 @@
+"""Fixtures: tiny random checkpoints written with transformers' own save_pretrained, and drafters in z-lab format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
+
+from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
+from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    eos_token_id=None,
+    bos_token_id=0,
+    pad_token_id=None,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, rope_theta=1e6, tie_word_embeddings=False),
+}
+
+
+def write_tiny_target(model_type: str, output_dir: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    config = CONFIGS[model_type]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Larger-than-default weights make the tiny model's logits peaked enough to be a meaningful check.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(output_dir)
+    return output_dir
+
+
+def write_tiny_drafter(target_dir: Path, output_dir: Path, seed: int = 1, **overrides: object) -> Path:
+    target = parse_target_config(read_config_json(target_dir))
+    config = drafter_config_dict(target, num_layers=2, block_size=16)
+    config.update(overrides)
+    network = init_drafter(config, seed=seed, std=0.08)
+    save_drafter(network, config, output_dir)
+    return output_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("targets")
+    return {name: write_tiny_target(name, root / name) for name in CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_drafter(tiny_targets["llama"], tmp_path_factory.mktemp("drafter") / "llama-dflash")

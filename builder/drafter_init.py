@@ -12,21 +12,36 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerBase
 
 from dflash_trt.builder.checkpoints import CheckpointError, TargetConfig, build_target_layer_ids, parse_drafter_config
 from dflash_trt.builder.networks import DrafterNetwork
 
 
-def choose_mask_token_id(vocab_size: int, tokenizer_size: int | None) -> int:
-    """An existing, unused row of the target vocabulary: the first padding row past the tokenizer's tokens."""
-    if tokenizer_size is None:
+def choose_mask_token_id(vocab_size: int, tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """An existing, unused row of the target vocabulary (never resized or re-initialised).
+
+    The first padding row past the tokenizer's tokens if the embedding table has one (Qwen3: 151669);
+    else the highest special token that is not BOS/EOS/PAD/UNK or used by the chat template
+    (SmolLM2: 16, <empty_output>). Without a tokenizer (random test targets): the last row.
+    """
+    if tokenizer is None:
         return vocab_size - 1
-    if tokenizer_size < vocab_size:
-        return tokenizer_size
-    raise CheckpointError(
-        f"the target's embedding table has no padding rows (vocab_size {vocab_size}, tokenizer {tokenizer_size} tokens); "
-        "pass --mask-token-id with the id of a special token the target never emits"
-    )
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    candidates = [
+        token_id
+        for token_id, token in tokenizer.added_tokens_decoder.items()
+        if token.special and token_id not in reserved and token.content not in template
+    ]
+    if not candidates:
+        raise CheckpointError(
+            f"the target's embedding table has no padding rows (vocab_size {vocab_size}, tokenizer {len(tokenizer)} tokens) "
+            "and no unused special token; pass mask_token_id explicitly (a token id the target never emits)"
+        )
+    return max(candidates)
 
 
 def drafter_config_dict(

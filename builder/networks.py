@@ -16,6 +16,7 @@ from torch import nn
 
 from dflash_trt.builder.checkpoints import (
     CheckpointError,
+    check_pair,
     checkpoint_dtype,
     DrafterConfig,
     TargetConfig,
@@ -261,3 +262,12 @@ def load_drafter(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> Draf
     network = DrafterNetwork(config)
     _load_state(network, load_safetensors_dir(checkpoint_dir), str(checkpoint_dir))
     return network.to(dtype or checkpoint_dtype(raw)).eval()
+
+
+def load_pair(target_dir: Path, drafter_dir: Path, dtype: torch.dtype | None = None) -> tuple[TargetNetwork, DrafterNetwork]:
+    """Load a target and its drafter, checking first that they fit (hidden size, mask id, tap layers)."""
+    target_config = parse_target_config(read_config_json(target_dir), where=str(target_dir))
+    drafter_config = parse_drafter_config(read_config_json(drafter_dir), where=str(drafter_dir))
+    check_pair(target_config, drafter_config)
+    target = load_target(target_dir, drafter_config.target_layer_ids, dtype)
+    return target, load_drafter(drafter_dir, dtype or target_config.dtype)

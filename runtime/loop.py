@@ -29,6 +29,7 @@ class DFlashEngine(Protocol):
 
     block_size: int
     max_seq_len: int
+    vocab_size: int
 
     def allocate(self, batch: int = 1) -> object: ...
 
@@ -103,9 +104,13 @@ class Generation:
     stats: GenerationStats
 
 
-def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, max_seq_len: int, sampling: SamplingParams) -> None:
+def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: DFlashEngine, sampling: SamplingParams) -> None:
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt)")
+    bad_ids = [t for t in prompt_ids if not 0 <= t < engine.vocab_size]
+    if bad_ids:
+        raise RequestError(f"prompt token ids {bad_ids[:5]} are outside the vocabulary [0, {engine.vocab_size}): tokenize with the target's tokenizer")
+    max_seq_len = engine.max_seq_len
     if max_new_tokens <= 0:
         raise RequestError(f"max_new_tokens={max_new_tokens} must be positive")
     if len(prompt_ids) + max_new_tokens > max_seq_len:
@@ -130,7 +135,7 @@ def stream_dflash(
     stats: GenerationStats | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens of each step as soon as they are accepted (several per step when drafts are accepted)."""
-    validate_request(prompt_ids, max_new_tokens, engine.max_seq_len, sampling)
+    validate_request(prompt_ids, max_new_tokens, engine, sampling)
     stop.validate()
     stats = stats if stats is not None else GenerationStats(engine.block_size)
     stats.position_accept_counts = [0] * (engine.block_size - 1)
@@ -177,7 +182,7 @@ def generate_plain(
     engine: DFlashEngine, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), stop: StopCriteria = StopCriteria()
 ) -> Generation:
     """Plain autoregressive decoding on the same engine (the baseline DFlash must equal at T=0)."""
-    validate_request(prompt_ids, max_new_tokens, engine.max_seq_len, sampling)
+    validate_request(prompt_ids, max_new_tokens, engine, sampling)
     stop.validate()
     stats = GenerationStats(1)
     rng = sampling.uniform_source()

@@ -41,7 +41,15 @@ class TorchDFlashEngine:
             )
         self.target, self.drafter = target, drafter
         self.block_size = block_size or drafter.config.block_size
+        if self.block_size < 2:
+            raise ValueError(f"block_size={self.block_size} must be at least 2 (the last token plus one draft slot)")
+        if not 0 < max_seq_len <= target.config.max_position_embeddings:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} must be in [1, {target.config.max_position_embeddings}] "
+                "(the target's max_position_embeddings)"
+            )
         self.max_seq_len = max_seq_len
+        self.vocab_size = target.config.vocab_size
         self.mask_token_id = drafter.config.mask_token_id
 
     @property

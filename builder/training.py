@@ -1,0 +1,155 @@
+"""DFlash drafter training (the objective of the DFlash paper, on the inference networks themselves).
+
+Target frozen (embedding and lm_head too). Data: sequences whose responses the target generated itself.
+Per sequence, many random anchors a; block = [token_at_a, MASK x (B-1)] at positions a..a+B-1; a block sees
+the context strictly before a plus itself. The anchors of one sequence are the batch rows of one drafter
+forward over the shared, position-indexed context cache, with ctx_len = a masking what each block may see
+(the sparse block mask, expressed by the same code that drafts at inference). Loss: cross-entropy on slots
+k = 1..B-1 weighted exp(-(k-1)/gamma).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash_trt.builder.networks import DrafterNetwork, KVCache, TargetNetwork, draft_logits
+
+DEFAULT_GAMMA = {16: 7.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return DEFAULT_GAMMA.get(block_size, block_size / 2)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """[B-1]: weight of slot k=1..B-1 is exp(-(k-1)/gamma); early slots matter most for acceptance."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+
+
+@torch.no_grad()
+def generate_responses(target: TargetNetwork, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """The target's own continuations, batched: prompts [N, P] (same length) -> sequences [N, P+M]."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = prompts.shape
+    cache = target.allocate_cache(batch, length + max_new_tokens)
+    logits, _ = target(prompts, torch.arange(length).expand(batch, -1), cache, logits_to_keep=1)
+    sequences = [prompts]
+    for position in range(length, length + max_new_tokens):
+        if temperature > 0:
+            token = torch.multinomial(torch.softmax(logits[:, -1].float() / temperature, -1), 1, generator=generator)
+        else:
+            token = logits[:, -1].argmax(-1, keepdim=True)  # [N, 1]
+        sequences.append(token)
+        if position + 1 < length + max_new_tokens:
+            logits, _ = target(token, torch.full((batch, 1), position), cache)
+    return torch.cat(sequences, dim=1)
+
+
+@torch.no_grad()
+def target_taps(target: TargetNetwork, sequences: torch.Tensor) -> torch.Tensor:
+    """sequences [N, L] -> tap features [N, L, n_taps*E] (the drafter's context for every position)."""
+    batch, length = sequences.shape
+    _, taps = target(sequences, torch.arange(length).expand(batch, -1), target.allocate_cache(batch, length), logits_to_keep=1)
+    return taps.clone()
+
+
+def sample_anchors(generator: torch.Generator, length: int, block_size: int, count: int, min_anchor: int) -> torch.Tensor:
+    """[count] anchor positions a with min_anchor <= a and a + B - 1 < length (every label exists)."""
+    high = length - block_size + 1
+    if high <= min_anchor:
+        raise ValueError(f"sequence of {length} tokens is too short for a block of {block_size} after position {min_anchor}")
+    return torch.randint(min_anchor, high, (count,), generator=generator)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    loss: torch.Tensor
+    accuracy: float  # fraction of slot-1 predictions equal to the label (first-draft-token accuracy)
+
+
+def dflash_block_loss(
+    drafter: DrafterNetwork, target: TargetNetwork, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor, weights: torch.Tensor
+) -> LossTerms:
+    """tokens: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
+    size = drafter.config.block_size
+    length = tokens.shape[0]
+    ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(length)[None])  # [Ld, 1, L, Hkv, D]
+    count = anchors.shape[0]
+    ctx_cache = KVCache(ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1))
+    slots = torch.arange(size)
+    positions = anchors[:, None] + slots  # [K, B]
+    block = torch.full((count, size), drafter.config.mask_token_id, dtype=torch.long)
+    block[:, 0] = tokens[anchors]
+    with torch.no_grad():
+        embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale  # [K, B, E]
+    hidden = drafter(embeds, positions, ctx_cache, anchors)  # block k sees context positions < anchor k
+    logits = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config)  # [K, B-1, V]
+    labels = tokens[positions[:, 1:]]  # [K, B-1]: slot j predicts the token at its own position
+    per_slot = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(count, size - 1)
+    loss = (per_slot * weights).sum(-1).mean() / weights.sum()
+    accuracy = (logits[:, 0].argmax(-1) == labels[:, 0]).float().mean().item()
+    return LossTerms(loss, accuracy)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 300
+    learning_rate: float = 3e-3
+    sequences_per_step: int = 4
+    anchors_per_sequence: int = 16
+    gamma: float | None = None
+    min_anchor: int = 1
+    warmup_steps: int = 20
+    seed: int = 0
+
+
+def train_drafter(
+    drafter: DrafterNetwork,
+    target: TargetNetwork,
+    sequences: torch.Tensor,
+    settings: TrainSettings,
+    on_step: Callable[[int, float, float], None] | None = None,
+    start_step: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> torch.optim.Optimizer:
+    """Train the drafter in place on sequences [N, L]; calls on_step(step, loss, slot-1 accuracy)."""
+    for param in target.parameters():
+        param.requires_grad_(False)
+    taps = target_taps(target, sequences)
+    weights = slot_weights(drafter.config.block_size, settings.gamma or default_gamma(drafter.config.block_size))
+    generator = torch.Generator().manual_seed(settings.seed + start_step)
+    optimizer = optimizer or torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    drafter.train()
+    for step in range(start_step, settings.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _cosine_lr(step, settings)
+        rows = torch.randint(0, sequences.shape[0], (settings.sequences_per_step,), generator=generator)
+        terms = [
+            dflash_block_loss(
+                drafter, target, sequences[r], taps[r],
+                sample_anchors(generator, sequences.shape[1], drafter.config.block_size, settings.anchors_per_sequence, settings.min_anchor),
+                weights,
+            )
+            for r in rows.tolist()
+        ]
+        loss = torch.stack([t.loss for t in terms]).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        if on_step is not None:
+            on_step(step, loss.item(), sum(t.accuracy for t in terms) / len(terms))
+    drafter.eval()
+    return optimizer
+
+
+def _cosine_lr(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup_steps:
+        return settings.learning_rate * (step + 1) / settings.warmup_steps
+    progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+    return settings.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))

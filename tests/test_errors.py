@@ -1,0 +1,102 @@
+"""Bad input gets a clear error naming the value and the fix, never a traceback from deep inside."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.networks import load_pair, load_target
+from dflash_trt.runtime.loop import StopCriteria, generate
+from dflash_trt.runtime.sampling import RequestError, SamplingParams
+from dflash_trt.runtime.torch_engine import TorchDFlashEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> TorchDFlashEngine:
+    return TorchDFlashEngine(*load_pair(tiny_targets["llama"], tiny_drafter), max_seq_len=100)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new_tokens", "sampling", "message"),
+    [
+        ([], 8, SamplingParams(), "prompt is empty"),
+        ([1, 2], 0, SamplingParams(), "max_new_tokens=0 must be positive"),
+        ([1, 2], -3, SamplingParams(), "max_new_tokens=-3 must be positive"),
+        ([1, 2], 8, SamplingParams(temperature=-0.5), "temperature=-0.5 is invalid"),
+        ([1, 2], 8, SamplingParams(temperature=1.0, top_p=0.0), r"top_p=0.0 is outside \(0, 1\]"),
+        ([1, 2], 8, SamplingParams(temperature=1.0, top_p=1.5), r"top_p=1.5 is outside \(0, 1\]"),
+        ([1, 2], 8, SamplingParams(temperature=1.0, top_k=-1), "top_k=-1 is invalid"),
+        ([1] * 90, 20, SamplingParams(), r"= 110 exceeds the maximum sequence length 100.*--max-seq-len"),
+        ([1, 500], 8, SamplingParams(), r"token ids \[500\] are outside the vocabulary \[0, 96\)"),
+    ],
+)
+def test_bad_requests(engine: TorchDFlashEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        generate(engine, prompt, max_new_tokens, sampling)
+
+
+def test_stop_strings_need_a_decoder(engine: TorchDFlashEngine) -> None:
+    with pytest.raises(RequestError, match="stop strings need a tokenizer"):
+        generate(engine, [1, 2], 4, stop=StopCriteria(stop_strings=("x",)))
+
+
+def test_generation_stops_on_eos_and_stop_strings(engine: TorchDFlashEngine) -> None:
+    free = generate(engine, [5, 6, 7], 40).tokens
+    eos = free[10]
+    stopped = generate(engine, [5, 6, 7], 40, stop=StopCriteria(eos_token_ids=(eos,)))
+    assert stopped.tokens == free[: free.index(eos) + 1]
+    assert stopped.stats.finish_reason == "stop"
+    decode = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731
+    needle = decode(free[12:14])
+    by_string = generate(engine, [5, 6, 7], 40, stop=StopCriteria(stop_strings=(needle,), decode=decode))
+    assert needle in decode(by_string.tokens) and needle not in decode(by_string.tokens[:-1])
+    assert generate(engine, [5, 6, 7], 40).stats.finish_reason == "length"
+
+
+def _edit_config(src: Path, dst: Path, **changes: object) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if key in config.get("dflash_config", {}):
+            config["dflash_config"][key] = value
+        else:
+            config[key] = value
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_mismatched_drafter(tiny_targets: dict[str, Path], tiny_drafter: Path, tmp_path: Path) -> None:
+    target = tiny_targets["llama"]
+    with pytest.raises(CheckpointError, match="mask_token_id 4000 is outside the target vocabulary"):
+        load_pair(target, _edit_config(tiny_drafter, tmp_path / "mask", mask_token_id=4000))
+    with pytest.raises(CheckpointError, match=r"target_layer_ids \[1, 9\] include \[9\], not below the target's 6 layers"):
+        load_pair(target, _edit_config(tiny_drafter, tmp_path / "taps", target_layer_ids=[1, 9]))
+    with pytest.raises(CheckpointError, match="drafter hidden_size 32 != target hidden_size 64"):
+        load_pair(target, _edit_config(tiny_drafter, tmp_path / "hidden", hidden_size=32))
+    with pytest.raises(CheckpointError, match="does not name 'DFlashDraftModel'"):
+        load_pair(target, _edit_config(tiny_drafter, tmp_path / "arch", architectures=["Qwen3ForCausalLM"]))
+
+
+def test_bad_checkpoints(tiny_targets: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_target(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_target(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported as a target; supported: llama, qwen2, qwen3"):
+        load_target(_edit_config(tiny_targets["llama"], tmp_path / "gpt2", model_type="gpt2"))
+    no_weights = _edit_config(tiny_targets["llama"], tmp_path / "noweights")
+    for path in no_weights.glob("*.safetensors"):
+        path.unlink()
+    with pytest.raises(CheckpointError, match="holds no \\*.safetensors weights"):
+        load_target(no_weights)
+
+
+def test_engine_limits(tiny_targets: dict[str, Path], tiny_drafter: Path) -> None:
+    target, drafter = load_pair(tiny_targets["llama"], tiny_drafter)
+    with pytest.raises(ValueError, match=r"max_seq_len=100000 must be in \[1, 512\]"):
+        TorchDFlashEngine(target, drafter, max_seq_len=100000)

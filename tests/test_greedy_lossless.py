@@ -1,0 +1,55 @@
+"""Greedy DFlash output equals transformers' plain greedy generate() token for token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.runtime.loop import generate, generate_plain
+from dflash_trt.runtime.torch_engine import TorchDFlashEngine
+
+NUM_PROMPTS, NEW_TOKENS = 20, 64
+
+
+def _engine(target_dir: Path, drafter_dir: Path) -> TorchDFlashEngine:
+    drafter = load_drafter(drafter_dir)
+    return TorchDFlashEngine(load_target(target_dir, drafter.config.target_layer_ids), drafter, max_seq_len=256)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (NUM_PROMPTS,), generator=generator)
+    return [torch.randint(1, 90, (int(n),), generator=generator).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_random_drafter_greedy_equals_transformers(model_type: str, tiny_targets: dict[str, Path], tmp_path: Path) -> None:
+    from tests.conftest import write_tiny_drafter
+
+    engine = _engine(tiny_targets[model_type], write_tiny_drafter(tiny_targets[model_type], tmp_path / "d"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_targets[model_type], dtype=torch.float32).eval()
+    for prompt in _prompts(seed=1):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        result = generate(engine, prompt, NEW_TOKENS)
+        assert result.tokens == expected[0, len(prompt) :].tolist()
+        assert 1.0 <= result.stats.tau <= engine.block_size
+
+
+def test_trained_drafter_greedy_equals_transformers_with_long_accepts(tiny_targets: dict[str, Path], trained_drafter: Path) -> None:
+    engine = _engine(tiny_targets["qwen3"], trained_drafter)
+    model = AutoModelForCausalLM.from_pretrained(tiny_targets["qwen3"], dtype=torch.float32).eval()
+    longest = 0
+    for prompt in _prompts(seed=2):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        result = generate(engine, prompt, NEW_TOKENS)
+        assert result.tokens == expected[0, len(prompt) :].tolist()
+        assert generate_plain(engine, prompt, NEW_TOKENS).tokens == result.tokens
+        longest = max(longest, max(result.stats.acceptance_lengths))
+        stats = result.stats
+        assert sum(stats.acceptance_lengths) == NEW_TOKENS - 1  # every token but the prefill one came from a step
+        assert stats.accepted_draft_tokens >= sum(stats.acceptance_lengths) - stats.steps
+    assert longest >= 9, f"no step accepted >= 8 draft tokens (longest emitted run {longest})"

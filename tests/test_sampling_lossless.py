@@ -1,0 +1,111 @@
+"""Sampling through DFlash is distributed exactly as the target's own sampling (chi-square).
+
+The first generated token comes from prefill and the second is the target's sample at the first verify slot,
+so acceptance first matters for the third token: the test compares the joint law of the first three tokens
+(which includes that of the first two)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+import dflash_trt.runtime.torch_engine as torch_engine
+from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.sampling import SamplingParams
+from tests.conftest import write_tiny_drafter
+
+VOCAB = 4
+NEW_TOKENS = 3
+SAMPLES = 5000
+PROMPT = [1, 3, 2, 0, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TorchDFlashEngineT]:
+    root = tmp_path_factory.mktemp("tiny-vocab")
+    torch.manual_seed(4)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=None, bos_token_id=0, pad_token_id=None)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(root / "target")
+    drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
+    drafter = load_drafter(drafter_dir)
+    engine = torch_engine.TorchDFlashEngine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
+    return root / "target", engine
+
+
+TorchDFlashEngineT = torch_engine.TorchDFlashEngine
+
+
+def _target_distribution(target_dir: Path, sampling: SamplingParams) -> np.ndarray:
+    """[V, V, V] exact probabilities of the first three tokens under the target's own (HF-warped) sampling."""
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    warpers = [TemperatureLogitsWarper(sampling.temperature)]
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+
+    def next_probs(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            scores = model(torch.tensor([ids])).logits[:, -1].double()
+        for warp in warpers:
+            scores = warp(torch.tensor([ids]), scores)
+        return torch.softmax(scores, -1)[0].numpy()
+
+    first = next_probs(PROMPT)
+    return np.stack([
+        np.stack([first[a] * second * next_probs(PROMPT + [a, b]) for b, second in enumerate(next_probs(PROMPT + [a]))])
+        for a in range(VOCAB)
+    ])
+
+
+def _dflash_counts(engine: torch_engine.TorchDFlashEngine, sampling: SamplingParams) -> tuple[np.ndarray, int]:
+    counts = np.zeros((VOCAB,) * NEW_TOKENS)
+    accepted = 0
+    for seed in range(SAMPLES):
+        result = generate(engine, PROMPT, NEW_TOKENS, SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed))
+        counts[tuple(result.tokens)] += 1
+        accepted += result.stats.accepted_draft_tokens
+    return counts, accepted
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs.ravel() * counts.sum()
+    assert counts.ravel()[expected == 0].sum() == 0, "sampled a token the target's distribution excludes"
+    keep = expected >= 5
+    observed = np.append(counts.ravel()[keep], counts.ravel()[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [SamplingParams(1.0), SamplingParams(0.8, top_k=3, top_p=0.9)], ids=["T1", "T0.8-k3-p0.9"])
+def test_first_tokens_match_target_sampling(tiny_vocab_pair, sampling: SamplingParams) -> None:
+    target_dir, engine = tiny_vocab_pair
+    counts, accepted = _dflash_counts(engine, sampling)
+    assert accepted > SAMPLES // 20, "the acceptance path was hardly exercised"
+    assert _chi_square_p(counts, _target_distribution(target_dir, sampling)) > 1e-3
+
+
+@pytest.mark.slow
+def test_broken_acceptance_fails_the_same_test(tiny_vocab_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Accepting the first draft token whatever the target sampled is not lossless, and the test sees it."""
+    target_dir, engine = tiny_vocab_pair
+    monkeypatch.setattr(torch_engine, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long))
+    sampling = SamplingParams(1.0)
+    counts, _ = _dflash_counts(engine, sampling)
+    assert _chi_square_p(counts, _target_distribution(target_dir, sampling)) < 1e-6

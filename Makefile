@@ -5,16 +5,23 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-.PHONY: demo test test-fast venv clean
+SOURCES := builder plugins runtime client model_repo tests
+
+.PHONY: demo test test-fast lint venv clean
 
 demo: venv
 	$(VENV)/bin/dflash-generate --compare-plain
 
-test: venv
+test: lint
 	$(PY) -m pytest
 
-test-fast: venv
+test-fast: lint
 	$(PY) -m pytest -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
+	$(VENV)/bin/mypy builder plugins runtime
 
 venv: $(VENV)/.installed
 

@@ -137,8 +137,7 @@ def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetCon
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED_TARGET_TYPES:
         raise CheckpointError(
-            f"{where}: model_type {model_type!r} is not supported as a target; supported: "
-            f"{', '.join(SUPPORTED_TARGET_TYPES)}"
+            f"{where}: model_type {model_type!r} is not supported as a target; supported: {', '.join(SUPPORTED_TARGET_TYPES)}"
         )
     if model_type == "qwen2" and raw.get("use_sliding_window", False):
         raise CheckpointError(f"{where}: qwen2 with use_sliding_window=true is not supported; set it to false")
@@ -184,9 +183,7 @@ def _layer_attention_shape(raw: dict[str, Any], num_layers: int) -> tuple[tuple[
     window: list[int | None] = []
     for layer_type in layer_types:
         if layer_type not in ("full_attention", "sliding_attention"):
-            raise CheckpointError(
-                f"drafter: layer type {layer_type!r} is not supported; use full_attention or sliding_attention"
-            )
+            raise CheckpointError(f"drafter: layer type {layer_type!r} is not supported; use full_attention or sliding_attention")
         sliding = layer_type == "sliding_attention"
         causal.append(sliding if causal_override is None else bool(causal_override))
         window.append(int(raw["sliding_window"]) if sliding else None)

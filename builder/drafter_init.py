@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerBase
-
 from dflash_trt.builder.checkpoints import CheckpointError, TargetConfig, build_target_layer_ids, parse_drafter_config
 from dflash_trt.builder.networks import DrafterNetwork
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerBase
 
 
 def choose_mask_token_id(vocab_size: int, tokenizer: PreTrainedTokenizerBase | None) -> int:

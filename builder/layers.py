@@ -64,7 +64,9 @@ def rope_inverse_frequencies(rope_parameters: dict[str, Any], head_dim: int, max
     return inv_freq.float(), float(scaling)
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     # positions: [B, S] -> cos, sin: [B, S, D]
     freqs = positions[..., None].float() * inv_freq.float()
     angles = torch.cat((freqs, freqs), dim=-1)

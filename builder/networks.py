@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from dflash_trt.builder.checkpoints import (
     CheckpointError,
-    check_pair,
-    checkpoint_dtype,
     DrafterConfig,
     TargetConfig,
+    check_pair,
+    checkpoint_dtype,
     load_safetensors_dir,
     parse_drafter_config,
     parse_target_config,
@@ -28,6 +27,7 @@ from dflash_trt.builder.checkpoints import (
 from dflash_trt.builder.layers import GatedMLP, RMSNorm, apply_rotary, masked_attention, rope_inverse_frequencies, rotary_cos_sin
 from dflash_trt.plugins.block_denoise import block_denoise
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap
+from torch import nn
 
 
 @dataclass
@@ -70,7 +70,14 @@ class TargetAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int, kv_len: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        kv_len: int,
     ) -> torch.Tensor:
         # x: [B, S, E]; positions: [B, S]
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
@@ -97,7 +104,14 @@ class TargetLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, cache: KVCache, layer: int, kv_len: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+        kv_len: int,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -116,7 +130,9 @@ class TargetNetwork(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(
+            config.rope_parameters, config.head_dim, config.max_position_embeddings
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def allocate_cache(self, batch: int, slots: int) -> KVCache:
@@ -157,7 +173,14 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_len: torch.Tensor
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_len: torch.Tensor,
     ) -> torch.Tensor:
         # x: [B, S, E] normed block; ctx_k, ctx_v: [B, T, Hkv, D]
         q = apply_rotary(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.head_dim))), cos, sin)
@@ -175,6 +198,20 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, False, config.hidden_act)
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_len: torch.Tensor,
+    ) -> torch.Tensor:
+        # x: [B, S, E] block hidden; ctx_k, ctx_v: [B, T, Hkv, D] this layer's context rows
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, ctx_k, ctx_v, ctx_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DrafterNetwork(nn.Module):
     """DFlash drafter: KV injection of the fused target context into every layer, one pass per block."""
@@ -186,10 +223,12 @@ class DrafterNetwork(nn.Module):
         self.fc = nn.Linear(n_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DrafterLayer(config, causal, window) for causal, window in zip(config.layer_causal, config.layer_window)
+            DrafterLayer(config, causal, window) for causal, window in zip(config.layer_causal, config.layer_window, strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, config.head_dim, config.max_position_embeddings)
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(
+            config.rope_parameters, config.head_dim, config.max_position_embeddings
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def allocate_cache(self, batch: int, slots: int) -> KVCache:
@@ -197,7 +236,7 @@ class DrafterNetwork(nn.Module):
         return KVCache.allocate(c.num_layers, batch, slots, c.num_kv_heads, c.head_dim, self.fc.weight.dtype)
 
     def tap_weights(self) -> TapWeights:
-        attns = [layer.self_attn for layer in self.layers]
+        attns = [cast(DrafterLayer, layer).self_attn for layer in self.layers]
         return TapWeights(
             fc=self.fc.weight,
             hidden_norm=self.hidden_norm.weight,
@@ -215,16 +254,20 @@ class DrafterNetwork(nn.Module):
         """taps: [B, T, n_taps*E], positions: [B, T] -> ctx K, V: [L, B, T, Hkv, D] (the HiddenStateTap op)."""
         return hidden_state_tap(taps.to(self.fc.weight.dtype), positions, self.tap_weights())
 
-    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_cache: KVCache, ctx_len: torch.Tensor) -> torch.Tensor:
-        """block_embeds: [B, S, E], block_positions: [B, S], ctx_len: [B] -> normed hidden [B, S, E]."""
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_len: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_embeds: [B, S, E], block_positions: [B, S], ctx_k/ctx_v: [L, B, T, Hkv, D] position-indexed
+        context rows (rows at or past ctx_len [B] are invisible) -> normed hidden [B, S, E]."""
         x = block_embeds
         cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, block_positions, x.dtype)
-        ctx_slots = int(ctx_len.max())
         for index, layer in enumerate(self.layers):
-            attn_in = layer.input_layernorm(x)
-            ctx_k, ctx_v = ctx_cache.k[index, :, :ctx_slots], ctx_cache.v[index, :, :ctx_slots]
-            x = x + layer.self_attn(attn_in, cos, sin, block_positions, ctx_k, ctx_v, ctx_len)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, cos, sin, block_positions, ctx_k[index], ctx_v[index], ctx_len)
         return self.norm(x)
 
 

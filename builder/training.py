@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from dflash_trt.builder.networks import DrafterNetwork, KVCache, TargetNetwork, draft_logits
+from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork, draft_logits
 
 DEFAULT_GAMMA = {16: 7.0, 8: 4.0}
 
@@ -32,7 +31,9 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate_responses(target: TargetNetwork, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> torch.Tensor:
+def generate_responses(
+    target: TargetNetwork, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> torch.Tensor:
     """The target's own continuations, batched: prompts [N, P] (same length) -> sequences [N, P+M]."""
     generator = torch.Generator().manual_seed(seed)
     batch, length = prompts.shape
@@ -73,21 +74,26 @@ class LossTerms:
 
 
 def dflash_block_loss(
-    drafter: DrafterNetwork, target: TargetNetwork, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor, weights: torch.Tensor
+    drafter: DrafterNetwork,
+    target: TargetNetwork,
+    tokens: torch.Tensor,
+    taps: torch.Tensor,
+    anchors: torch.Tensor,
+    weights: torch.Tensor,
 ) -> LossTerms:
     """tokens: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
     size = drafter.config.block_size
     length = tokens.shape[0]
     ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(length)[None])  # [Ld, 1, L, Hkv, D]
     count = anchors.shape[0]
-    ctx_cache = KVCache(ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1))
     slots = torch.arange(size)
     positions = anchors[:, None] + slots  # [K, B]
     block = torch.full((count, size), drafter.config.mask_token_id, dtype=torch.long)
     block[:, 0] = tokens[anchors]
     with torch.no_grad():
         embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale  # [K, B, E]
-    hidden = drafter(embeds, positions, ctx_cache, anchors)  # block k sees context positions < anchor k
+    ctx_k, ctx_v = ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1)  # shared by all K blocks
+    hidden = drafter(embeds, positions, ctx_k, ctx_v, anchors)  # block k sees context positions < anchor k
     logits = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config)  # [K, B-1, V]
     labels = tokens[positions[:, 1:]]  # [K, B-1]: slot j predicts the token at its own position
     per_slot = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(count, size - 1)
@@ -131,8 +137,13 @@ def train_drafter(
         rows = torch.randint(0, sequences.shape[0], (settings.sequences_per_step,), generator=generator)
         terms = [
             dflash_block_loss(
-                drafter, target, sequences[r], taps[r],
-                sample_anchors(generator, sequences.shape[1], drafter.config.block_size, settings.anchors_per_sequence, settings.min_anchor),
+                drafter,
+                target,
+                sequences[r],
+                taps[r],
+                sample_anchors(
+                    generator, sequences.shape[1], drafter.config.block_size, settings.anchors_per_sequence, settings.min_anchor
+                ),
                 weights,
             )
             for r in rows.tolist()

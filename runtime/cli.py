@@ -8,8 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config, read_config_json
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.embedded import EMBEDDED_TARGET, data_dir, embedded_target_dir
@@ -17,6 +15,7 @@ from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from dflash_trt.runtime.torch_engine import TorchDFlashEngine
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -31,30 +30,39 @@ def untrained_drafter_dir(target_dir: Path, tokenizer: PreTrainedTokenizerBase |
     output = data_dir() / "drafters" / f"{target_dir.name}-untrained-b{block_size}"
     if not (output / "model.safetensors").is_file():
         target = parse_target_config(read_config_json(target_dir))
-        config = drafter_config_dict(target, num_layers=1, block_size=block_size, mask_token_id=choose_mask_token_id(target.vocab_size, tokenizer))
+        config = drafter_config_dict(
+            target, num_layers=1, block_size=block_size, mask_token_id=choose_mask_token_id(target.vocab_size, tokenizer)
+        )
         save_drafter(init_drafter(config), config, output)
     return output
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
     if chat and tokenizer.chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        text = str(
+            tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
 
 def print_stats(stats: GenerationStats, tokens: int) -> None:
     decode_rate = (tokens - 1) / stats.decode_seconds if stats.decode_seconds > 0 else float("nan")
     print(f"\n--- DFlash: {tokens} tokens in {stats.steps} steps, finish={stats.finish_reason}", file=sys.stderr)
-    print(f"tau (tokens/step incl. bonus) {stats.tau:.2f} | draft acceptance {stats.acceptance_rate:.1%} "
-          f"({stats.accepted_draft_tokens}/{stats.draft_tokens})", file=sys.stderr)
+    print(
+        f"tau (tokens/step incl. bonus) {stats.tau:.2f} | draft acceptance {stats.acceptance_rate:.1%} "
+        f"({stats.accepted_draft_tokens}/{stats.draft_tokens})",
+        file=sys.stderr,
+    )
     print(f"TTFT {stats.prefill_seconds * 1e3:.0f} ms | decode {decode_rate:.1f} tok/s", file=sys.stderr)
     print("accepted per draft slot: " + " ".join(str(c) for c in stats.position_accept_counts), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-generate", description=__doc__)
-    parser.add_argument("--target", default=EMBEDDED_TARGET, help=f"'{EMBEDDED_TARGET}' (embedded CPU default) or an HF checkpoint dir")
+    parser.add_argument(
+        "--target", default=EMBEDDED_TARGET, help=f"'{EMBEDDED_TARGET}' (embedded CPU default) or an HF checkpoint dir"
+    )
     parser.add_argument("--drafter", help="z-lab DFlash drafter dir (default: an untrained drafter; tau ~1)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -86,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         shown = ""
         for piece in stream_dflash(engine, ids, args.max_tokens, sampling, stop, stats):
             tokens.extend(piece)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            text = str(tokenizer.decode(tokens, skip_special_tokens=True))
             if not text.endswith("\ufffd"):  # never print half a multi-byte character
-                print(text[len(shown):], end="", flush=True)
+                print(text[len(shown) :], end="", flush=True)
                 shown = text
     except (CheckpointError, RequestError, ValueError) as error:
         print(f"dflash-generate: error: {error}", file=sys.stderr)
@@ -99,8 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         plain = generate_plain(engine, ids, args.max_tokens, sampling, stop)
         plain_rate = (len(plain.tokens) - 1) / plain.stats.decode_seconds
         dflash_rate = (len(tokens) - 1) / stats.decode_seconds
-        print(f"plain decoding {plain_rate:.1f} tok/s ({time.perf_counter() - began:.1f} s) | DFlash speedup {dflash_rate / plain_rate:.2f}x | "
-              f"identical to plain: {plain.tokens == tokens}", file=sys.stderr)
+        print(
+            f"plain decoding {plain_rate:.1f} tok/s ({time.perf_counter() - began:.1f} s) | "
+            f"DFlash speedup {dflash_rate / plain_rate:.2f}x | "
+            f"identical to plain: {plain.tokens == tokens}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -13,7 +13,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 
 
@@ -35,9 +34,13 @@ class DFlashEngine(Protocol):
 
     def prefill(self, caches: object, prompt: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> StepOutput: ...
 
-    def step(self, caches: object, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> StepOutput: ...
+    def step(
+        self, caches: object, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
+    ) -> StepOutput: ...
 
-    def decode_one(self, caches: object, token: torch.Tensor, position: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> torch.Tensor: ...
+    def decode_one(
+        self, caches: object, token: torch.Tensor, position: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class StopCriteria:
                 if any(stop in text for stop in self.stop_strings):
                     return index + 1
         return None
+
+
+NO_STOP = StopCriteria()
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -109,7 +116,10 @@ def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: DFl
         raise RequestError("the prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt)")
     bad_ids = [t for t in prompt_ids if not 0 <= t < engine.vocab_size]
     if bad_ids:
-        raise RequestError(f"prompt token ids {bad_ids[:5]} are outside the vocabulary [0, {engine.vocab_size}): tokenize with the target's tokenizer")
+        raise RequestError(
+            f"prompt token ids {bad_ids[:5]} are outside the vocabulary [0, {engine.vocab_size}): "
+            "tokenize with the target's tokenizer"
+        )
     max_seq_len = engine.max_seq_len
     if max_new_tokens <= 0:
         raise RequestError(f"max_new_tokens={max_new_tokens} must be positive")
@@ -130,8 +140,8 @@ def stream_dflash(
     engine: DFlashEngine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    stop: StopCriteria = StopCriteria(),
+    sampling: SamplingParams = GREEDY,
+    stop: StopCriteria = NO_STOP,
     stats: GenerationStats | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens of each step as soon as they are accepted (several per step when drafts are accepted)."""
@@ -169,8 +179,8 @@ def generate(
     engine: DFlashEngine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
-    stop: StopCriteria = StopCriteria(),
+    sampling: SamplingParams = GREEDY,
+    stop: StopCriteria = NO_STOP,
 ) -> Generation:
     """DFlash speculative decoding of one prompt: the generated tokens (prompt excluded) and statistics."""
     stats = GenerationStats(engine.block_size)
@@ -179,7 +189,11 @@ def generate(
 
 
 def generate_plain(
-    engine: DFlashEngine, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(), stop: StopCriteria = StopCriteria()
+    engine: DFlashEngine,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams = GREEDY,
+    stop: StopCriteria = NO_STOP,
 ) -> Generation:
     """Plain autoregressive decoding on the same engine (the baseline DFlash must equal at T=0)."""
     validate_request(prompt_ids, max_new_tokens, engine, sampling)

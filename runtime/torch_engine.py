@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from dflash_trt.builder.networks import DrafterNetwork, KVCache, TargetNetwork, draft_logits
 from dflash_trt.runtime.sampling import SamplingParams, accepted_prefix_length, sample_tokens
 
@@ -58,7 +57,9 @@ class TorchDFlashEngine:
         return self.max_seq_len + self.block_size
 
     def allocate(self, batch: int = 1) -> SequenceCaches:
-        return SequenceCaches(self.target.allocate_cache(batch, self.cache_slots), self.drafter.allocate_cache(batch, self.cache_slots))
+        return SequenceCaches(
+            self.target.allocate_cache(batch, self.cache_slots), self.drafter.allocate_cache(batch, self.cache_slots)
+        )
 
     def _draft_block(self, caches: SequenceCaches, first_token: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """first_token: [B], start: [B] (its position; context = positions < start) -> block [B, S]."""
@@ -67,7 +68,9 @@ class TorchDFlashEngine:
         block[:, 0] = first_token
         positions = start[:, None] + torch.arange(size)  # [B, S]
         embeds = self.target.embed_tokens(block) * self.drafter.config.input_embedding_scale  # target's table
-        hidden = self.drafter(embeds.to(self.drafter.fc.weight.dtype), positions, caches.draft_ctx, start)
+        rows = int(start.max())  # only committed context rows can be visible
+        ctx = caches.draft_ctx
+        hidden = self.drafter(embeds.to(self.drafter.fc.weight.dtype), positions, ctx.k[:, :, :rows], ctx.v[:, :, :rows], start)
         logits = draft_logits(hidden[:, 1:], self.target.lm_head.weight.to(hidden.dtype), self.drafter.config)
         block[:, 1:] = logits.argmax(dim=-1)  # slot j predicts the token at slot j; slot 0 is discarded
         return block
@@ -78,7 +81,9 @@ class TorchDFlashEngine:
         caches.draft_ctx.write(positions, ctx_k, ctx_v)
 
     @torch.inference_mode()
-    def prefill(self, caches: SequenceCaches, prompt: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> StepResult:
+    def prefill(
+        self, caches: SequenceCaches, prompt: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
+    ) -> StepResult:
         """prompt: [B, P], uniforms: [B, 1] -> the first token (emitted[:, 0]) and the first draft block."""
         batch, length = prompt.shape
         positions = torch.arange(length).expand(batch, -1)  # [B, P]
@@ -90,7 +95,9 @@ class TorchDFlashEngine:
         return StepResult(first[:, None], torch.zeros(batch, dtype=torch.long), block, start)
 
     @torch.inference_mode()
-    def step(self, caches: SequenceCaches, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> StepResult:
+    def step(
+        self, caches: SequenceCaches, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
+    ) -> StepResult:
         """block: [B, S] at positions start..start+S-1, uniforms: [B, S] -> accepted tokens and the next block."""
         positions = start[:, None] + torch.arange(block.shape[1])  # [B, S]
         logits, taps = self.target(block, positions, caches.target)  # verify: [B, S, V]
@@ -104,7 +111,14 @@ class TorchDFlashEngine:
         return StepResult(target_tokens, accept_len, next_block, next_start)
 
     @torch.inference_mode()
-    def decode_one(self, caches: SequenceCaches, token: torch.Tensor, position: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    def decode_one(
+        self,
+        caches: SequenceCaches,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        uniforms: torch.Tensor,
+        sampling: SamplingParams,
+    ) -> torch.Tensor:
         """Plain decoding step (the baseline): token, position: [B] -> next token [B]."""
         logits, _ = self.target(token[:, None], position[:, None], caches.target)
         return sample_tokens(logits, uniforms, sampling)[:, 0]

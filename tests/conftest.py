@@ -11,10 +11,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
-
 from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
 from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 TINY = dict(
     vocab_size=96,

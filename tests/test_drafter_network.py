@@ -6,14 +6,14 @@ import json
 import time
 from pathlib import Path
 
+import dflash.model as zlab
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import dflash.model as zlab
 from dflash_trt.builder.networks import DrafterNetwork, draft_logits, load_drafter, load_target
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.torch_engine import TorchDFlashEngine
+from transformers import AutoModelForCausalLM
+
 from tests.conftest import write_tiny_drafter
 
 TOLERANCE = 1e-4  # fp32, max abs difference of draft logits
@@ -53,7 +53,7 @@ def _ours_draft(drafter: DrafterNetwork, target, contexts: list[torch.Tensor], b
         cache.write(positions, k, v)
         start += ctx.shape[1]
     embeds = target.get_input_embeddings()(block)
-    hidden = drafter(embeds, torch.arange(start, start + block.shape[1])[None], cache, torch.tensor([start]))
+    hidden = drafter(embeds, torch.arange(start, start + block.shape[1])[None], cache.k, cache.v, torch.tensor([start]))
     return draft_logits(hidden, target.lm_head.weight, drafter.config)
 
 
@@ -65,7 +65,9 @@ def _reference_draft(reference, target, contexts: list[torch.Tensor], block: tor
         end = start + ctx.shape[1]
         positions = torch.arange(start, end + block.shape[1])[None]
         embeds = target.get_input_embeddings()(block)
-        hidden = reference(target_hidden=ctx, noise_embedding=embeds, position_ids=positions, past_key_values=cache, use_cache=True)
+        hidden = reference(
+            target_hidden=ctx, noise_embedding=embeds, position_ids=positions, past_key_values=cache, use_cache=True
+        )
         zlab._crop_to(cache, end)  # keep only context rows, as dflash_generate does
         start = end
     return reference.compute_logits(hidden, target.lm_head)
@@ -100,7 +102,9 @@ def test_variant_masks_change_the_draft(drafter_pair) -> None:
     assert (masked - unmasked).abs().max() > 100 * TOLERANCE
 
 
-def test_greedy_loop_matches_reference_dflash_generate(tiny_targets: dict[str, Path], tiny_drafter: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_greedy_loop_matches_reference_dflash_generate(
+    tiny_targets: dict[str, Path], tiny_drafter: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same tokens and the same per-step acceptance lengths as z-lab's own loop."""
     monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # its stats synchronise CUDA
     reference = zlab.DFlashDraftModel.from_pretrained(tiny_drafter, dtype=torch.float32).eval()

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from dflash_trt.builder.drafter_init import choose_mask_token_id
 from dflash_trt.builder.embedded import embedded_target_dir
 from dflash_trt.builder.networks import load_target
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 @pytest.mark.slow
 def test_smollm2_logits_match_transformers() -> None:
     path = embedded_target_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "def add(a, b):"}], add_generation_prompt=True, tokenize=True
+    )
     prompt = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)])
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_target(path, tap_layer_ids=(1, 14, 26))

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from dflash_trt.builder.checkpoints import CheckpointError
 from dflash_trt.builder.networks import load_pair, load_target
 from dflash_trt.runtime.loop import StopCriteria, generate
@@ -34,7 +33,9 @@ def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> TorchDFlashEngi
         ([1, 500], 8, SamplingParams(), r"token ids \[500\] are outside the vocabulary \[0, 96\)"),
     ],
 )
-def test_bad_requests(engine: TorchDFlashEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, message: str) -> None:
+def test_bad_requests(
+    engine: TorchDFlashEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, message: str
+) -> None:
     with pytest.raises(RequestError, match=message):
         generate(engine, prompt, max_new_tokens, sampling)
 

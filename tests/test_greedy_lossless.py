@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from dflash_trt.builder.networks import load_drafter, load_target
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.torch_engine import TorchDFlashEngine
+from transformers import AutoModelForCausalLM
 
 NUM_PROMPTS, NEW_TOKENS = 20, 64
 
@@ -39,7 +38,9 @@ def test_random_drafter_greedy_equals_transformers(model_type: str, tiny_targets
         assert 1.0 <= result.stats.tau <= engine.block_size
 
 
-def test_trained_drafter_greedy_equals_transformers_with_long_accepts(tiny_targets: dict[str, Path], trained_drafter: Path) -> None:
+def test_trained_drafter_greedy_equals_transformers_with_long_accepts(
+    tiny_targets: dict[str, Path], trained_drafter: Path
+) -> None:
     engine = _engine(tiny_targets["qwen3"], trained_drafter)
     model = AutoModelForCausalLM.from_pretrained(tiny_targets["qwen3"], dtype=torch.float32).eval()
     longest = 0

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dflash_trt.runtime.torch_engine as torch_engine
 import numpy as np
 import pytest
 import torch
+from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.sampling import SamplingParams
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-import dflash_trt.runtime.torch_engine as torch_engine
-from dflash_trt.builder.networks import load_drafter, load_target
-from dflash_trt.runtime.loop import generate
-from dflash_trt.runtime.sampling import SamplingParams
 from tests.conftest import write_tiny_drafter
 
 VOCAB = 4
@@ -28,11 +28,22 @@ PROMPT = [1, 3, 2, 0, 3]
 
 
 @pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TorchDFlashEngineT]:
+def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch_engine.TorchDFlashEngine]:
     root = tmp_path_factory.mktemp("tiny-vocab")
     torch.manual_seed(4)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, max_position_embeddings=64, eos_token_id=None, bos_token_id=0, pad_token_id=None)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=0,
+        pad_token_id=None,
+    )
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -41,11 +52,10 @@ def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tor
     model.save_pretrained(root / "target")
     drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
     drafter = load_drafter(drafter_dir)
-    engine = torch_engine.TorchDFlashEngine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
+    engine = torch_engine.TorchDFlashEngine(
+        load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4
+    )
     return root / "target", engine
-
-
-TorchDFlashEngineT = torch_engine.TorchDFlashEngine
 
 
 def _target_distribution(target_dir: Path, sampling: SamplingParams) -> np.ndarray:
@@ -65,17 +75,21 @@ def _target_distribution(target_dir: Path, sampling: SamplingParams) -> np.ndarr
         return torch.softmax(scores, -1)[0].numpy()
 
     first = next_probs(PROMPT)
-    return np.stack([
-        np.stack([first[a] * second * next_probs(PROMPT + [a, b]) for b, second in enumerate(next_probs(PROMPT + [a]))])
-        for a in range(VOCAB)
-    ])
+    return np.stack(
+        [
+            np.stack([first[a] * second * next_probs(PROMPT + [a, b]) for b, second in enumerate(next_probs(PROMPT + [a]))])
+            for a in range(VOCAB)
+        ]
+    )
 
 
 def _dflash_counts(engine: torch_engine.TorchDFlashEngine, sampling: SamplingParams) -> tuple[np.ndarray, int]:
     counts = np.zeros((VOCAB,) * NEW_TOKENS)
     accepted = 0
     for seed in range(SAMPLES):
-        result = generate(engine, PROMPT, NEW_TOKENS, SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed))
+        result = generate(
+            engine, PROMPT, NEW_TOKENS, SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed)
+        )
         counts[tuple(result.tokens)] += 1
         accepted += result.stats.accepted_draft_tokens
     return counts, accepted
@@ -105,7 +119,9 @@ def test_first_tokens_match_target_sampling(tiny_vocab_pair, sampling: SamplingP
 def test_broken_acceptance_fails_the_same_test(tiny_vocab_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting the first draft token whatever the target sampled is not lossless, and the test sees it."""
     target_dir, engine = tiny_vocab_pair
-    monkeypatch.setattr(torch_engine, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long))
+    monkeypatch.setattr(
+        torch_engine, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long)
+    )
     sampling = SamplingParams(1.0)
     counts, _ = _dflash_counts(engine, sampling)
     assert _chi_square_p(counts, _target_distribution(target_dir, sampling)) < 1e-6

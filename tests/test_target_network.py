@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-
 from dflash_trt.builder.networks import KVCache, load_target
+from transformers import AutoModelForCausalLM, DynamicCache
 
 TOLERANCE = 1e-4  # fp32, max abs difference of logits
 

@@ -1,0 +1,94 @@
+"""The dflash:: ops in ONNX: nodes in domain `dflash` whose model-local function bodies ONNX Runtime runs,
+equal to the torch reference semantics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from dflash_trt.builder.layers import rotary_cos_sin
+from dflash_trt.builder.networks import DrafterNetwork, load_drafter
+from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins.onnx_domain import DOMAIN, ONNX_OPSET, attach_functions
+from torch import nn
+
+from tests.conftest import write_tiny_drafter
+
+TOLERANCE = 1e-5  # fp32, max abs difference of drafter hidden states (values of magnitude ~1)
+
+
+class DraftFromTaps(nn.Module):
+    """Taps of context positions 0..T-1 -> HiddenStateTap -> every drafter layer's BlockDenoise -> hidden."""
+
+    def __init__(self, drafter: DrafterNetwork) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(
+        self, taps: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor, ctx_len: torch.Tensor
+    ) -> torch.Tensor:
+        ctx_positions = torch.arange(taps.shape[1]).expand(taps.shape[0], -1)  # [B, T]
+        ctx_k, ctx_v = self.drafter.context_kv(taps, ctx_positions)  # [L, B, T, Hkv, D]
+        return self.drafter(block_embeds, block_positions, ctx_k, ctx_v, ctx_len)
+
+
+def _export(drafter: DrafterNetwork, path: Path) -> onnx.ModelProto:
+    n_features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    example = (
+        torch.randn(2, 20, n_features),
+        torch.randn(2, 16, 64),
+        torch.tensor([[20 + i for i in range(16)]] * 2),
+        torch.tensor([20, 17]),
+    )
+    batch, ctx = torch.export.Dim("batch"), torch.export.Dim("ctx")
+    program = torch.onnx.export(
+        DraftFromTaps(drafter).eval(),
+        example,
+        dynamo=True,
+        opset_version=ONNX_OPSET,
+        dynamic_shapes=({0: batch, 1: ctx}, {0: batch}, {0: batch}, {0: batch}),
+    )
+    model = attach_functions(program.model_proto, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS])
+    onnx.save(model, path)
+    return model
+
+
+@pytest.mark.parametrize("variant", ["bidirectional", "sliding-window"])
+def test_plugins_run_in_onnxruntime_and_match_reference(variant: str, tiny_targets: dict[str, Path], tmp_path: Path) -> None:
+    overrides = (
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5} if variant == "sliding-window" else {}
+    )
+    drafter = load_drafter(write_tiny_drafter(tiny_targets["llama"], tmp_path / "d", **overrides))
+    model = _export(drafter, tmp_path / "draft.onnx")
+
+    onnx.checker.check_model(model, full_check=True)
+    dflash_nodes = [n.op_type for n in model.graph.node if n.domain == DOMAIN]
+    assert dflash_nodes.count("HiddenStateTap") == 1
+    assert dflash_nodes.count("BlockDenoise") == drafter.config.num_layers
+    assert {f.name for f in model.functions if f.domain == DOMAIN} >= {"HiddenStateTap", "BlockDenoise"}
+
+    session = ort.InferenceSession(str(tmp_path / "draft.onnx"), providers=["CPUExecutionProvider"])
+    torch.manual_seed(21)
+    n_features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    for batch, ctx in [(1, 7), (3, 33)]:  # shapes other than the traced ones
+        taps, embeds = torch.randn(batch, ctx, n_features), torch.randn(batch, 16, 64)
+        ctx_len = torch.randint(1, ctx + 1, (batch,))
+        positions = ctx_len[:, None] + torch.arange(16)
+        feeds = dict(
+            zip([i.name for i in session.get_inputs()], [t.numpy() for t in (taps, embeds, positions, ctx_len)], strict=True)
+        )
+        (actual,) = session.run(None, feeds)
+        with torch.no_grad():
+            expected = DraftFromTaps(drafter)(taps, embeds, positions, ctx_len).numpy()
+        assert np.abs(actual - expected).max() <= TOLERANCE
+
+
+def test_rope_helper_is_what_the_function_body_computes() -> None:
+    """HiddenStateTap's body builds cos/sin from positions x inv_freq, duplicated halves, like rotary_cos_sin."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    cos, _ = rotary_cos_sin(inv_freq, 1.0, torch.tensor([[3]]), torch.float32)
+    assert torch.allclose(cos[0, 0], torch.cos(torch.tensor(3.0) * torch.cat([inv_freq, inv_freq])))

@@ -91,3 +91,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     v_t = v.transpose(1, 2).repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=visible[:, None], scale=scale)
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+
+def write_rows(past: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Position-indexed rows after a write: past [B, T, ...] (row t = position t), rows [B, S, ...] at positions
+    [B, S] (each < T + S) -> [B, T + S, ...] with rows[b, j] at row positions[b, j]. Functional: the caller's
+    static cache gets the same rows written separately, so nothing is copied back."""
+    buffer = torch.cat([past, torch.zeros_like(rows)], dim=1)
+    index = positions.reshape(*positions.shape, *([1] * (rows.dim() - 2))).expand_as(rows)
+    return buffer.scatter(1, index, rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,15 @@ from dflash_trt.builder.checkpoints import (
     parse_target_config,
     read_config_json,
 )
-from dflash_trt.builder.layers import GatedMLP, RMSNorm, apply_rotary, masked_attention, rope_inverse_frequencies, rotary_cos_sin
+from dflash_trt.builder.layers import (
+    GatedMLP,
+    RMSNorm,
+    apply_rotary,
+    masked_attention,
+    rope_inverse_frequencies,
+    rotary_cos_sin,
+    write_rows,
+)
 from dflash_trt.plugins.block_denoise import block_denoise
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap
 from torch import nn
@@ -46,6 +54,10 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[2]
 
+    def past(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `rows` positions of every layer: ([L, B, rows, Hkv, D], same)."""
+        return self.k[:, :, :rows], self.v[:, :, :rows]
+
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
         """positions: [B, S]; k, v: [B, S, Hkv, D] for one layer, or [L, B, S, Hkv, D] for all (layer=None)."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
@@ -55,6 +67,13 @@ class KVCache:
         else:
             self.k[layer, rows, positions] = k.to(self.k.dtype)
             self.v[layer, rows, positions] = v.to(self.v.dtype)
+
+
+class TargetOutput(NamedTuple):
+    logits: torch.Tensor  # [B, S or logits_to_keep, V]
+    taps: torch.Tensor  # [B, S, n_taps*E]
+    k: torch.Tensor  # [L, B, S, Hkv, D]: K rows of these positions, for the caller's cache
+    v: torch.Tensor  # [L, B, S, Hkv, D]
 
 
 class TargetAttention(nn.Module):
@@ -75,22 +94,21 @@ class TargetAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        kv_len: int,
-    ) -> torch.Tensor:
-        # x: [B, S, E]; positions: [B, S]
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, S, E] at positions [B, S]; past_k/v: [B, T, Hkv, D] position-indexed -> (out, k, v [B, S, Hkv, D])."""
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache.write(positions, k, v, layer)
-        key_positions = torch.arange(kv_len, device=x.device)
-        visible = key_positions[None, None, :] <= positions[:, :, None]  # [B, S, kv_len], causal by position
-        out = masked_attention(q, cache.k[layer, :, :kv_len], cache.v[layer, :, :kv_len], visible, self.head_dim**-0.5)
-        return self.o_proj(out)
+        keys, values = write_rows(past_k, k, positions), write_rows(past_v, v, positions)  # [B, T+S, Hkv, D]
+        key_positions = torch.arange(keys.shape[1], device=x.device)
+        visible = key_positions[None, None, :] <= positions[:, :, None]  # causal by position; stale rows lie ahead
+        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
+        return self.o_proj(out), k, v
 
 
 class TargetLayer(nn.Module):
@@ -109,12 +127,12 @@ class TargetLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
-        layer: int,
-        kv_len: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, kv_len)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, positions, past_k, past_v)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
 class TargetNetwork(nn.Module):
@@ -140,16 +158,23 @@ class TargetNetwork(nn.Module):
         return KVCache.allocate(c.num_layers, batch, slots, c.num_kv_heads, c.head_dim, self.embed_tokens.weight.dtype)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, logits_to_keep: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: [B, S] -> logits [B, S or keep, V], taps [B, S, n_taps*E]; writes cache rows."""
-        kv_len = int(positions.max()) + 1
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """input_ids, positions: [B, S]; past_k/v: [L, B, T, Hkv, D] position-indexed (T may be 0)."""
         x = self.embed_tokens(input_ids)  # [B, S, E]
         cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
         taps: dict[int, torch.Tensor] = {}
+        new_k, new_v = [], []
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, cache, index, kv_len)
+            x, k, v = layer(x, cos, sin, positions, past_k[index], past_v[index])
+            new_k.append(k)
+            new_v.append(v)
             if index in self.tap_layer_ids and index != last:
                 taps[index] = x
         x = self.norm(x)
@@ -157,7 +182,7 @@ class TargetNetwork(nn.Module):
             taps[last] = x  # HF's hidden_states[-1] is the final-normed output
         tap_features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1) if self.tap_layer_ids else x[..., :0]
         logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
-        return logits, tap_features
+        return TargetOutput(logits, tap_features, torch.stack(new_k), torch.stack(new_v))
 
 
 class DrafterAttention(nn.Module):

@@ -38,7 +38,10 @@ def generate_responses(
     generator = torch.Generator().manual_seed(seed)
     batch, length = prompts.shape
     cache = target.allocate_cache(batch, length + max_new_tokens)
-    logits, _ = target(prompts, torch.arange(length).expand(batch, -1), cache, logits_to_keep=1)
+    positions = torch.arange(length).expand(batch, -1)
+    out = target(prompts, positions, *cache.past(0), logits_to_keep=1)
+    cache.write(positions, out.k, out.v)
+    logits = out.logits
     sequences = [prompts]
     for position in range(length, length + max_new_tokens):
         if temperature > 0:
@@ -47,7 +50,9 @@ def generate_responses(
             token = logits[:, -1].argmax(-1, keepdim=True)  # [N, 1]
         sequences.append(token)
         if position + 1 < length + max_new_tokens:
-            logits, _ = target(token, torch.full((batch, 1), position), cache)
+            out = target(token, torch.full((batch, 1), position), *cache.past(position), logits_to_keep=1)
+            cache.write(torch.full((batch, 1), position), out.k, out.v)
+            logits = out.logits
     return torch.cat(sequences, dim=1)
 
 
@@ -55,8 +60,8 @@ def generate_responses(
 def target_taps(target: TargetNetwork, sequences: torch.Tensor) -> torch.Tensor:
     """sequences [N, L] -> tap features [N, L, n_taps*E] (the drafter's context for every position)."""
     batch, length = sequences.shape
-    _, taps = target(sequences, torch.arange(length).expand(batch, -1), target.allocate_cache(batch, length), logits_to_keep=1)
-    return taps.clone()
+    out = target(sequences, torch.arange(length).expand(batch, -1), *target.allocate_cache(batch, 0).past(0), logits_to_keep=1)
+    return out.taps.clone()
 
 
 def sample_anchors(generator: torch.Generator, length: int, block_size: int, count: int, min_anchor: int) -> torch.Tensor:

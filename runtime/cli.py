@@ -12,9 +12,9 @@ from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config,
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.embedded import EMBEDDED_TARGET, data_dir, embedded_target_dir
 from dflash_trt.builder.networks import load_pair
+from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from dflash_trt.runtime.torch_engine import TorchDFlashEngine
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[dflash-trt] no --drafter: using an untrained drafter, so expect tau ~1", file=sys.stderr)
             drafter_dir = untrained_drafter_dir(target_dir, tokenizer, args.block_size)
         target, drafter = load_pair(target_dir, drafter_dir)
-        engine = TorchDFlashEngine(target, drafter, min(args.max_seq_len, target.config.max_position_embeddings), args.block_size)
+        engine = torch_engine(target, drafter, min(args.max_seq_len, target.config.max_position_embeddings), args.block_size)
         ids = prompt_ids(tokenizer, args.prompt, chat=not args.raw)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         stop = StopCriteria(eos_token_ids=target.config.eos_token_ids)

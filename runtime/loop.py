@@ -9,38 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import torch
+from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-
-
-class StepOutput(Protocol):
-    emitted: torch.Tensor  # [B, S]
-    accept_len: torch.Tensor  # [B]
-    next_block: torch.Tensor  # [B, S]
-    next_start: torch.Tensor  # [B]
-
-
-class DFlashEngine(Protocol):
-    """What an engine backend provides (torch reference, ONNX Runtime, TensorRT)."""
-
-    block_size: int
-    max_seq_len: int
-    vocab_size: int
-
-    def allocate(self, batch: int = 1) -> object: ...
-
-    def prefill(self, caches: object, prompt: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams) -> StepOutput: ...
-
-    def step(
-        self, caches: object, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
-    ) -> StepOutput: ...
-
-    def decode_one(
-        self, caches: object, token: torch.Tensor, position: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
-    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +84,7 @@ class Generation:
     stats: GenerationStats
 
 
-def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: DFlashEngine, sampling: SamplingParams) -> None:
+def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: GraphEngine, sampling: SamplingParams) -> None:
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt)")
     bad_ids = [t for t in prompt_ids if not 0 <= t < engine.vocab_size]
@@ -137,7 +110,7 @@ def _uniforms(rng: np.random.Generator, count: int) -> torch.Tensor:
 
 
 def stream_dflash(
-    engine: DFlashEngine,
+    engine: GraphEngine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,
@@ -176,7 +149,7 @@ def stream_dflash(
 
 
 def generate(
-    engine: DFlashEngine,
+    engine: GraphEngine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,
@@ -189,7 +162,7 @@ def generate(
 
 
 def generate_plain(
-    engine: DFlashEngine,
+    engine: GraphEngine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,

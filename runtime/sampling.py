@@ -11,6 +11,7 @@ output is distributed exactly as plain sampling from the target (and at T=0 equa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,21 +45,63 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [B, S, V], uniforms: [B, S] in [0, 1) -> tokens [B, S] (argmax when greedy)."""
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    scores, order = torch.sort(logits.float() / params.temperature, dim=-1, descending=True)  # [B, S, V]
-    if 0 < params.top_k < scores.shape[-1]:
-        scores[..., params.top_k :] = float("-inf")
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = torch.where(mass_before < params.top_p, probs, torch.zeros_like(probs))
-    cdf = probs.cumsum(dim=-1)  # unnormalised: compare with u * total mass
-    threshold = uniforms[..., None].float() * cdf[..., -1:]
-    rank = (cdf <= threshold).sum(dim=-1).clamp(max=scores.shape[-1] - 1)  # [B, S]
-    return order.gather(-1, rank[..., None])[..., 0]
+@dataclass(frozen=True)
+class SamplingTensors:
+    """Per-sequence sampling parameters as graph inputs."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = no limit
+    top_p: torch.Tensor  # [B] float32
+    candidate_slots: torch.Tensor  # [K]: only its length matters, the width of the sorted candidate list
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], vocab_size: int) -> SamplingTensors:
+        """K = V when any row uses top-p (the nucleus needs the full sort), else the largest top-k, else 1."""
+        widths = [vocab_size if p.top_p < 1 else min(p.top_k, vocab_size) for p in params]
+        return SamplingTensors(
+            torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            torch.zeros(max(1, *widths), dtype=torch.int64),
+        )
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    candidate_slots: torch.Tensor,
+) -> torch.Tensor:
+    """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B] -> tokens [B, S].
+
+    Greedy rows take the argmax. Rows without top-k/top-p sample the whole tempered distribution by
+    inverse CDF in vocabulary order (no sort). Rows with top-k/top-p sample among the K best candidates,
+    K = len(candidate_slots) (the host makes K = V when top-p is in use): top-k then top-p, as HF's warpers.
+    """
+    vocab = logits.shape[-1]
+    greedy_tokens = logits.argmax(dim=-1)  # [B, S]
+    tempered = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scores = logits.float() / tempered[:, None, None]  # [B, S, V]
+    whole = _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)  # [B, S]
+    best, order = torch.topk(scores, candidate_slots.shape[0], dim=-1)  # [B, S, K], descending
+    ranks = torch.arange(best.shape[-1], device=logits.device)
+    in_top_k = (top_k[:, None, None] == 0) | (ranks < top_k[:, None, None])
+    probs = torch.softmax(torch.where(in_top_k, best, torch.full_like(best, float("-inf"))), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = torch.where(mass_before < top_p[:, None, None], probs, torch.zeros_like(probs))
+    filtered = order.gather(-1, _inverse_cdf(probs, uniforms)[..., None])[..., 0]
+    use_filter = ((top_k > 0) | (top_p < 1))[:, None]
+    sampled = torch.where(use_filter, filtered, whole.clamp(max=vocab - 1))
+    return torch.where((temperature > 0)[:, None], sampled, greedy_tokens)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs: [B, S, N] (unnormalised is fine), uniforms: [B, S] -> index [B, S] drawn from probs."""
+    cdf = probs.cumsum(dim=-1)
+    threshold = uniforms[..., None].to(cdf.dtype) * cdf[..., -1:]
+    return (cdf <= threshold).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
 
 
 def accepted_prefix_length(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
@@ -66,5 +109,6 @@ def accepted_prefix_length(draft_tokens: torch.Tensor, target_tokens: torch.Tens
 
     Draft slot i+1 is accepted while it equals the target's own choice at slot i.
     """
-    matches = (draft_tokens == target_tokens[:, :-1]).to(torch.int64)
-    return matches.cumprod(dim=-1).sum(dim=-1)
+    mismatch = (draft_tokens != target_tokens[:, :-1]).float()  # [B, S-1]
+    sentinel = torch.ones_like(mismatch[:, :1])  # every row mismatches at slot S-1 at the latest
+    return torch.cat([mismatch, sentinel], dim=1).argmax(dim=1)  # the first mismatch = the accepted count

@@ -10,8 +10,8 @@ import dflash.model as zlab
 import pytest
 import torch
 from dflash_trt.builder.networks import DrafterNetwork, draft_logits, load_drafter, load_target
+from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import generate
-from dflash_trt.runtime.torch_engine import TorchDFlashEngine
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import write_tiny_drafter
@@ -110,7 +110,7 @@ def test_greedy_loop_matches_reference_dflash_generate(
     reference = zlab.DFlashDraftModel.from_pretrained(tiny_drafter, dtype=torch.float32).eval()
     hf_target = AutoModelForCausalLM.from_pretrained(tiny_targets["llama"], dtype=torch.float32).eval()
     drafter = load_drafter(tiny_drafter)
-    engine = TorchDFlashEngine(load_target(tiny_targets["llama"], drafter.config.target_layer_ids), drafter, max_seq_len=256)
+    engine = torch_engine(load_target(tiny_targets["llama"], drafter.config.target_layer_ids), drafter, max_seq_len=256)
     torch.manual_seed(5)
     for _ in range(3):
         prompt = torch.randint(1, 90, (1, 12))

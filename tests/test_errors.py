@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from dflash_trt.builder.checkpoints import CheckpointError
 from dflash_trt.builder.networks import load_pair, load_target
+from dflash_trt.runtime.engine import GraphEngine, torch_engine
 from dflash_trt.runtime.loop import StopCriteria, generate
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from dflash_trt.runtime.torch_engine import TorchDFlashEngine
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> TorchDFlashEngine:
-    return TorchDFlashEngine(*load_pair(tiny_targets["llama"], tiny_drafter), max_seq_len=100)
+def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> GraphEngine:
+    return torch_engine(*load_pair(tiny_targets["llama"], tiny_drafter), max_seq_len=100)
 
 
 @pytest.mark.parametrize(
@@ -34,18 +34,18 @@ def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> TorchDFlashEngi
     ],
 )
 def test_bad_requests(
-    engine: TorchDFlashEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, message: str
+    engine: GraphEngine, prompt: list[int], max_new_tokens: int, sampling: SamplingParams, message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
         generate(engine, prompt, max_new_tokens, sampling)
 
 
-def test_stop_strings_need_a_decoder(engine: TorchDFlashEngine) -> None:
+def test_stop_strings_need_a_decoder(engine: GraphEngine) -> None:
     with pytest.raises(RequestError, match="stop strings need a tokenizer"):
         generate(engine, [1, 2], 4, stop=StopCriteria(stop_strings=("x",)))
 
 
-def test_generation_stops_on_eos_and_stop_strings(engine: TorchDFlashEngine) -> None:
+def test_generation_stops_on_eos_and_stop_strings(engine: GraphEngine) -> None:
     free = generate(engine, [5, 6, 7], 40).tokens
     eos = free[10]
     stopped = generate(engine, [5, 6, 7], 40, stop=StopCriteria(eos_token_ids=(eos,)))
@@ -100,4 +100,4 @@ def test_bad_checkpoints(tiny_targets: dict[str, Path], tmp_path: Path) -> None:
 def test_engine_limits(tiny_targets: dict[str, Path], tiny_drafter: Path) -> None:
     target, drafter = load_pair(tiny_targets["llama"], tiny_drafter)
     with pytest.raises(ValueError, match=r"max_seq_len=100000 must be in \[1, 512\]"):
-        TorchDFlashEngine(target, drafter, max_seq_len=100000)
+        torch_engine(target, drafter, max_seq_len=100000)

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.runtime.engine import GraphEngine, torch_engine
 from dflash_trt.runtime.loop import generate, generate_plain
-from dflash_trt.runtime.torch_engine import TorchDFlashEngine
 from transformers import AutoModelForCausalLM
 
 NUM_PROMPTS, NEW_TOKENS = 20, 64
 
 
-def _engine(target_dir: Path, drafter_dir: Path) -> TorchDFlashEngine:
+def _engine(target_dir: Path, drafter_dir: Path) -> GraphEngine:
     drafter = load_drafter(drafter_dir)
-    return TorchDFlashEngine(load_target(target_dir, drafter.config.target_layer_ids), drafter, max_seq_len=256)
+    return torch_engine(load_target(target_dir, drafter.config.target_layer_ids), drafter, max_seq_len=256)
 
 
 def _prompts(seed: int) -> list[list[int]]:

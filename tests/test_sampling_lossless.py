@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import dflash_trt.runtime.torch_engine as torch_engine
+import dflash_trt.builder.graphs as graphs
 import numpy as np
 import pytest
 import torch
 from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.runtime.engine import GraphEngine, torch_engine
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
 from scipy.stats import chisquare
@@ -28,7 +29,7 @@ PROMPT = [1, 3, 2, 0, 3]
 
 
 @pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch_engine.TorchDFlashEngine]:
+def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
     root = tmp_path_factory.mktemp("tiny-vocab")
     torch.manual_seed(4)
     config = Qwen3Config(
@@ -52,9 +53,7 @@ def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tor
     model.save_pretrained(root / "target")
     drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
     drafter = load_drafter(drafter_dir)
-    engine = torch_engine.TorchDFlashEngine(
-        load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4
-    )
+    engine = torch_engine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
     return root / "target", engine
 
 
@@ -83,7 +82,7 @@ def _target_distribution(target_dir: Path, sampling: SamplingParams) -> np.ndarr
     )
 
 
-def _dflash_counts(engine: torch_engine.TorchDFlashEngine, sampling: SamplingParams) -> tuple[np.ndarray, int]:
+def _dflash_counts(engine: GraphEngine, sampling: SamplingParams) -> tuple[np.ndarray, int]:
     counts = np.zeros((VOCAB,) * NEW_TOKENS)
     accepted = 0
     for seed in range(SAMPLES):
@@ -119,9 +118,7 @@ def test_first_tokens_match_target_sampling(tiny_vocab_pair, sampling: SamplingP
 def test_broken_acceptance_fails_the_same_test(tiny_vocab_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Accepting the first draft token whatever the target sampled is not lossless, and the test sees it."""
     target_dir, engine = tiny_vocab_pair
-    monkeypatch.setattr(
-        torch_engine, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long)
-    )
+    monkeypatch.setattr(graphs, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long))
     sampling = SamplingParams(1.0)
     counts, _ = _dflash_counts(engine, sampling)
     assert _chi_square_p(counts, _target_distribution(target_dir, sampling)) < 1e-6

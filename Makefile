@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 
-SOURCES := builder plugins runtime client model_repo tests
+SOURCES := builder plugins runtime client model_repo tests scripts
 
 .PHONY: demo test test-fast lint venv clean
 
@@ -18,12 +18,16 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -m "not slow"
 
-lint: venv
+lint: venv .typings/tensorrt/__init__.pyi
 	$(VENV)/bin/ruff check $(SOURCES)
 	$(VENV)/bin/ruff format --check $(SOURCES)
-	$(VENV)/bin/mypy builder plugins runtime
+	MYPYPATH=.typings $(VENV)/bin/mypy builder plugins runtime
 
 venv: $(VENV)/.installed
+
+# TensorRT cannot be installed here: its type stubs, patched for mypy (see the script).
+.typings/tensorrt/__init__.pyi: scripts/prepare_tensorrt_stubs.py $(VENV)/.installed
+	$(PY) scripts/prepare_tensorrt_stubs.py .typings
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_trt.builder.checkpoints import CheckpointError, TargetConfig, build_target_layer_ids, parse_drafter_config
+from dflash_trt.builder.checkpoints import (
+    CheckpointError,
+    TargetConfig,
+    build_target_layer_ids,
+    parse_drafter_config,
+    parse_target_config,
+    read_config_json,
+)
 from dflash_trt.builder.networks import DrafterNetwork
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase
@@ -100,3 +107,16 @@ def save_drafter(network: DrafterNetwork, config: dict[str, Any], output_dir: Pa
     (output_dir / "config.json").write_text(json.dumps({**config, "dtype": dtype_name}, indent=2) + "\n")
     state = {name: tensor.detach().to(dtype).contiguous() for name, tensor in network.state_dict().items()}
     save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def untrained_drafter_dir(target_dir: Path, tokenizer: PreTrainedTokenizerBase | None, block_size: int) -> Path:
+    """A freshly initialised one-layer drafter for this target, cached in the data directory (tau ~1 until trained)."""
+    from dflash_trt.builder.embedded import data_dir
+
+    output = data_dir() / "drafters" / f"{target_dir.name}-untrained-b{block_size}"
+    if not (output / "model.safetensors").is_file():
+        target = parse_target_config(read_config_json(target_dir))
+        mask_id = choose_mask_token_id(target.vocab_size, tokenizer)
+        config = drafter_config_dict(target, num_layers=1, block_size=block_size, mask_token_id=mask_id)
+        save_drafter(init_drafter(config), config, output)
+    return output

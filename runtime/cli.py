@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import torch
-from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config, read_config_json
-from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
-from dflash_trt.builder.embedded import EMBEDDED_TARGET, data_dir, embedded_target_dir
+from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.drafter_init import untrained_drafter_dir
+from dflash_trt.builder.embedded import EMBEDDED_TARGET
+from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
@@ -18,23 +19,6 @@ from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
-
-
-def resolve_target(spec: str) -> Path:
-    """The embedded target's name, or a local HF checkpoint directory."""
-    return embedded_target_dir() if spec == EMBEDDED_TARGET else Path(spec)
-
-
-def untrained_drafter_dir(target_dir: Path, tokenizer: PreTrainedTokenizerBase | None, block_size: int) -> Path:
-    """A freshly initialised drafter for this target (cached beside the converted checkpoints)."""
-    output = data_dir() / "drafters" / f"{target_dir.name}-untrained-b{block_size}"
-    if not (output / "model.safetensors").is_file():
-        target = parse_target_config(read_config_json(target_dir))
-        config = drafter_config_dict(
-            target, num_layers=1, block_size=block_size, mask_token_id=choose_mask_token_id(target.vocab_size, tokenizer)
-        )
-        save_drafter(init_drafter(config), config, output)
-    return output
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
@@ -77,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     try:
-        target_dir = resolve_target(args.target)
+        target_dir = resolve_checkpoint(args.target)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         if args.drafter:
             drafter_dir = Path(args.drafter)

@@ -35,6 +35,17 @@ CONFIGS = {
 }
 
 
+def write_tiny_tokenizer(output_dir: Path, vocab_size: int = 96) -> None:
+    """A word-level tokenizer over `<s>`, then `w1` .. `w{V-1}` (whitespace-separated), in HF's tokenizer.json format."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<s>").save_pretrained(output_dir)
+
+
 def write_tiny_target(model_type: str, output_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = CONFIGS[model_type]()
@@ -45,6 +56,7 @@ def write_tiny_target(model_type: str, output_dir: Path, seed: int = 0) -> Path:
             if "norm" not in name:
                 param.normal_(0.0, 0.08)
     model.save_pretrained(output_dir)
+    write_tiny_tokenizer(output_dir, config.vocab_size)
     return output_dir
 
 

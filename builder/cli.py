@@ -1,0 +1,144 @@
+"""dflash-build: a target and its DFlash drafter -> engines -> a ready Triton model repository."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.drafter_init import untrained_drafter_dir
+from dflash_trt.builder.export import export_engines_onnx
+from dflash_trt.builder.graphs import DFlashGraphs
+from dflash_trt.builder.models import ALIASES, resolve_pair
+from dflash_trt.builder.networks import load_pair
+from dflash_trt.builder.repository import (
+    ENGINE_DIR,
+    TOKENIZER_DIR,
+    checkpoint_hashes,
+    copy_tokenizer,
+    staged_output,
+    write_manifest,
+    write_templates,
+)
+from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
+from dflash_trt.runtime.engine import EngineSpec
+from dflash_trt.runtime.onnxruntime_runner import SessionSettings
+from transformers import AutoTokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def choose_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "tensorrt" if tensorrt_available() and torch.cuda.is_available() else "onnxruntime"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dflash-build", description=__doc__)
+    parser.add_argument(
+        "--model", required=True, help=f"target: a checkpoint dir, a hub id, 'smollm2-135m', or an alias ({', '.join(ALIASES)})"
+    )
+    parser.add_argument(
+        "--drafter", help="z-lab DFlash drafter dir or hub id (aliases name their own; default: an untrained drafter)"
+    )
+    parser.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
+    parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
+    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="engine precision (auto: float32 on CPU, the checkpoint's on GPU)",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
+    parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
+    parser.add_argument("--output", required=True, type=Path, help="model repository directory to write")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    return parser.parse_args(argv)
+
+
+def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
+    if not 2 <= block_size <= 64:
+        raise ValueError(f"--block-size {block_size} must be in [2, 64]")
+    if not 1 <= args.max_batch_size <= 1024:
+        raise ValueError(f"--max-batch-size {args.max_batch_size} must be in [1, 1024]")
+    if not block_size < args.max_seq_len <= max_positions - block_size:
+        raise ValueError(
+            f"--max-seq-len {args.max_seq_len} must be in ({block_size}, {max_positions - block_size}] for this target"
+        )
+
+
+def build(args: argparse.Namespace) -> Path:
+    backend = choose_backend(args.backend)
+    if backend == "tensorrt":
+        require_tensorrt()
+    target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
+    if drafter_dir is None:
+        print(
+            "[dflash-build] no --drafter: building with an untrained drafter (tau ~1); train one with dflash-train",
+            file=sys.stderr,
+        )
+        drafter_dir = untrained_drafter_dir(target_dir, AutoTokenizer.from_pretrained(target_dir), args.block_size or 16)
+    dtype = DTYPES.get(args.dtype, torch.float32 if backend == "onnxruntime" else None)
+    print(f"[dflash-build] loading {target_dir} and {drafter_dir} ...", file=sys.stderr)
+    target, drafter = load_pair(target_dir, drafter_dir, dtype)
+    block_size = args.block_size or drafter.config.block_size
+    _check_limits(args, block_size, target.config.max_position_embeddings)
+    spec = EngineSpec.of(target, drafter, block_size, args.max_seq_len)
+    settings = SessionSettings(intra_op_threads=args.threads)
+    values = {
+        "engine_dir": ENGINE_DIR,
+        "tokenizer_dir": TOKENIZER_DIR,
+        "apply_chat_template": "false" if args.no_chat_template else "true",
+    }
+    with staged_output(args.output, args.force) as repo:
+        write_templates(repo, values)
+        copy_tokenizer(target_dir, repo)
+        engine_dir = repo / "dflash" / "1" / ENGINE_DIR
+        engine_dir.mkdir(parents=True)
+        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size).eval(), engine_dir)
+        if backend == "tensorrt":
+            for path in paths:
+                build_plan(
+                    path,
+                    path.with_suffix(".plan"),
+                    path.stem,
+                    args.max_batch_size,
+                    args.max_seq_len,
+                    spec.cache_slots,
+                    spec.vocab_size,
+                )
+        print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
+        write_manifest(repo, {
+            "backend": backend,
+            "engine": spec.to_json(),
+            "session": asdict(settings),
+            "max_batch_size": args.max_batch_size,
+            "tap_layer_ids": list(drafter.config.target_layer_ids),
+            "eos_token_ids": list(target.config.eos_token_ids),
+            "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir)},
+            "drafter": {"source": str(drafter_dir), "sha256": checkpoint_hashes(drafter_dir)},
+        })  # fmt: skip
+    return args.output
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        build(args)
+    except (CheckpointError, TensorRTUnavailable, FileExistsError, ValueError) as error:
+        print(f"dflash-build: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dflash-build: interrupted; nothing was written to --output", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

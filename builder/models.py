@@ -1,0 +1,69 @@
+"""Where checkpoints come from: model aliases, local directories, and (only when asked) the Hugging Face hub."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.embedded import EMBEDDED_TARGET, embedded_target_dir
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    target: str  # HF hub id of the target
+    drafter: str | None  # HF hub id of its z-lab DFlash drafter
+
+
+ALIASES = {
+    "qwen3.5-27b": ModelAlias("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
+    "qwen3-8b": ModelAlias("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
+    "qwen3-4b": ModelAlias("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
+    "llama-3.1-8b": ModelAlias("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
+}
+CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+
+
+def fetch_from_hub(repo_id: str) -> Path:
+    """A hub checkpoint: from the local HF cache, else downloaded (only if this machine may reach the hub)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=CHECKPOINT_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise CheckpointError(
+                f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: on a machine with hub "
+                f"access run `hf download {repo_id} --local-dir DIR`, copy DIR here, and pass it as a path"
+            ) from None
+    print(f"[dflash-build] downloading {repo_id} from the Hugging Face hub ...", file=sys.stderr)
+    return Path(snapshot_download(repo_id, allow_patterns=CHECKPOINT_FILES))
+
+
+def resolve_checkpoint(spec: str) -> Path:
+    """A local directory as given; the embedded target by name; a hub id through the cache or a download."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if spec == EMBEDDED_TARGET:
+        return embedded_target_dir()
+    if _looks_like_hub_id(spec):
+        return fetch_from_hub(spec)
+    known = ", ".join([EMBEDDED_TARGET, *ALIASES])
+    raise CheckpointError(f"{spec!r} is neither a directory, a known model ({known}), nor a hub id ORG/NAME")
+
+
+def resolve_pair(model: str, drafter: str | None) -> tuple[Path, Path | None]:
+    """(target dir, drafter dir or None) for --model/--drafter; an alias names both."""
+    alias = ALIASES.get(model.lower())
+    target = resolve_checkpoint(alias.target if alias else model)
+    drafter_spec = drafter or (alias.drafter if alias else None)
+    return target, resolve_checkpoint(drafter_spec) if drafter_spec else None

@@ -1,0 +1,142 @@
+"""TensorRT plans from the exported ONNX graphs (the GPU engines), with the real TensorRT Python API.
+
+TensorRT cannot be installed in the environment this toolkit is developed in, so this layer is kept thin,
+type-checked with mypy against `tensorrt-stubs` (scripts/prepare_tensorrt_stubs.py), and it fails with a
+clear message where TensorRT or a GPU is missing. The dflash:: nodes become plugins: their ONNX function
+bodies are stripped and the parser looks the op names up in the plugin registry (namespace "dflash"),
+where plugins/ registers them with `tensorrt.plugin`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import onnx
+from dflash_trt.builder.export import SIGNATURES
+from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION
+
+try:
+    import tensorrt as trt
+except ImportError:  # not installable here: see require_tensorrt
+    trt = None  # type: ignore[assignment]
+
+TOPK_LIMIT = 3840  # TensorRT's largest TopK: bounds the sorted candidate list (top-p) on this backend
+WORKSPACE_BYTES = 8 << 30
+
+
+class TensorRTUnavailable(RuntimeError):
+    """TensorRT (or a CUDA GPU) is not present where a TensorRT build or run was asked for."""
+
+
+def tensorrt_available() -> bool:
+    """With only `tensorrt-stubs` installed, `import tensorrt` gives an empty namespace package."""
+    return trt is not None and hasattr(trt, "Builder")
+
+
+def require_tensorrt() -> None:
+    if not tensorrt_available():
+        raise TensorRTUnavailable(
+            "--backend tensorrt needs TensorRT 10+ and an NVIDIA GPU: build inside the NVIDIA Triton container "
+            "(see the Dockerfile), or use --backend onnxruntime for the CPU engine"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TensorRTUnavailable("--backend tensorrt needs a CUDA GPU, and none is visible; use --backend onnxruntime")
+
+
+def plugin_ready_onnx(onnx_path: Path, output_path: Path) -> None:
+    """Strip the dflash function bodies so the parser maps each dflash node to the plugin of its op name."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    kept = [f for f in model.functions if f.domain != DOMAIN]
+    del model.functions[:]
+    model.functions.extend(kept)
+    for node in model.graph.node:
+        if node.domain == DOMAIN:
+            node.attribute.extend([
+                onnx.helper.make_attribute("plugin_namespace", DOMAIN),
+                onnx.helper.make_attribute("plugin_version", str(DOMAIN_VERSION)),
+            ])  # fmt: skip
+    onnx.save(model, str(output_path))  # external data keeps pointing at the shared weights file
+
+
+def input_ranges(name: str, max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int) -> dict[str, tuple[str, ...]]:
+    """Which axes of each input are dynamic: map input -> axis names, in the order of the input's dims."""
+    batch, prompt, rows, cands = "batch", "prompt", "rows", "candidates"
+    axes: dict[str, dict[str, tuple[str, ...]]] = {
+        "prefill": {"input_ids": (batch, prompt), "uniforms": (batch, "1")},
+        "step": {"block": (batch, "block"), "start": (batch,), "uniforms": (batch, "block")},
+        "decode": {"token": (batch,), "position": (batch,), "uniforms": (batch, "1")},
+    }
+    shared = {"temperature": (batch,), "top_k": (batch,), "top_p": (batch,), "candidate_slots": (cands,)}
+    caches = {key: ("L", batch, rows, "H", "D") for key in SIGNATURES[name].inputs if key.startswith("past_")}
+    return {**axes[name], **shared, **caches}
+
+
+def axis_bounds(max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) per named dynamic axis."""
+    return {
+        "batch": (1, 1, max_batch),
+        "prompt": (1, min(256, max_seq_len), max_seq_len),
+        "rows": (1, min(512, cache_slots), cache_slots),
+        "candidates": (1, 1, min(vocab_size, TOPK_LIMIT)),
+    }
+
+
+def _progress_monitor(log_prefix: str) -> trt.IProgressMonitor:
+    class Progress(trt.IProgressMonitor):
+        """Prints each build phase as TensorRT enters it (long builds show progress)."""
+
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            print(f"{log_prefix} {phase_name} ({num_steps} steps)", file=sys.stderr)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return True  # keep building
+
+        def phase_finish(self, phase_name: str) -> None:
+            pass
+
+    return Progress()
+
+
+def build_plan(
+    onnx_path: Path, plan_path: Path, name: str, max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int
+) -> None:
+    """Parse one exported graph and write its serialized TensorRT plan (strongly typed: the ONNX dtypes rule)."""
+    require_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    stripped = onnx_path.with_suffix(".plugins.onnx")
+    plugin_ready_onnx(onnx_path, stripped)
+    if not parser.parse_from_file(str(stripped)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"TensorRT could not parse {stripped.name}: {errors} (are the dflash plugins registered?)")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
+    config.progress_monitor = _progress_monitor(f"[dflash-build] tensorrt {name}:")
+    profile = builder.create_optimization_profile()
+    bounds = axis_bounds(max_batch, max_seq_len, cache_slots, vocab_size)
+    ranges = input_ranges(name, max_batch, max_seq_len, cache_slots, vocab_size)
+    for index in range(network.num_inputs):
+        tensor = network.get_input(index)
+        shape = tensor.shape
+        dims = [bounds[axis] if axis in bounds else (shape[i],) * 3 for i, axis in enumerate(ranges[tensor.name])]
+        low, opt, high = (trt.Dims([d[k] for d in dims]) for k in range(3))
+        profile.set_shape(tensor.name, low, opt, high)
+    config.add_optimization_profile(profile)
+    began = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError(f"TensorRT failed to build {name}; rerun with TensorRT logging at VERBOSE for the reason")
+    plan_path.write_bytes(bytes(plan))
+    print(
+        f"[dflash-build] tensorrt {name}: {plan_path.stat().st_size >> 20} MiB in {time.perf_counter() - began:.0f} s",
+        file=sys.stderr,
+    )

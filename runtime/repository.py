@@ -1,0 +1,41 @@
+"""Loading built engines: an engine directory (dflash/1/engine of a model repository) -> a GraphEngine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash_trt.runtime.engine import EngineSpec, GraphEngine
+from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
+
+
+def read_manifest(engine_dir: Path) -> dict[str, Any]:
+    path = engine_dir / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{engine_dir} has no manifest.json: it is not a (complete) dflash-build engine directory")
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest
+
+
+def engine_dir_of(path: Path) -> Path:
+    """Accept a model repository or its engine directory."""
+    nested = path / "dflash" / "1" / "engine"
+    return nested if nested.is_dir() else path
+
+
+def load_engine(path: Path, threads: int | None = None) -> tuple[GraphEngine, dict[str, Any]]:
+    """The engine a dflash-build output holds (ONNX Runtime here; TensorRT plans where TensorRT runs)."""
+    engine_dir = engine_dir_of(path)
+    manifest = read_manifest(engine_dir)
+    spec = EngineSpec(**manifest["engine"])
+    backend = manifest["backend"]
+    if backend != "onnxruntime":
+        raise RuntimeError(
+            f"{engine_dir} holds {backend} engines; this runtime runs the onnxruntime backend only so far "
+            "(rebuild with --backend onnxruntime)"
+        )
+    settings = SessionSettings(**manifest["session"])
+    if threads is not None:
+        settings = SessionSettings(threads, settings.graph_optimization)
+    return GraphEngine(OnnxRuntimeRunner(engine_dir, settings), spec), manifest

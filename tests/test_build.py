@@ -1,0 +1,161 @@
+"""dflash-build end to end on a tiny pair: the repository, the ONNX graphs, and the ONNX Runtime engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.networks import load_pair
+from dflash_trt.builder.repository import MANIFEST, is_complete_repository
+from dflash_trt.plugins.onnx_domain import DOMAIN
+from dflash_trt.runtime.engine import torch_engine
+from dflash_trt.runtime.loop import generate, generate_plain
+from dflash_trt.runtime.repository import load_engine
+from transformers import AutoModelForCausalLM
+
+# Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
+# operator matrix), plus the dflash nodes that become plugins. Anything else would break the TensorRT build.
+TENSORRT_OPS = {
+    "Add", "And", "ArgMax", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Cos", "CumSum", "Div",
+    "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater", "GreaterOrEqual", "Identity", "IsNaN", "Less",
+    "LessOrEqual", "MatMul", "Max", "Min", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceMax",
+    "ReduceMean", "ReduceSum", "Reshape", "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax",
+    "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
+}  # fmt: skip
+DFLASH_OPS = {"HiddenStateTap", "BlockDenoise"}
+NUM_PROMPTS, NEW_TOKENS = 20, 64
+
+
+def _build_command(target: Path, drafter: Path, output: Path) -> list[str]:
+    return [sys.executable, "-m", "dflash_trt.builder.cli", "--model", str(target), "--drafter", str(drafter),
+            "--output", str(output), "--max-seq-len", "256", "--backend", "onnxruntime"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Kill a build in the middle of its ONNX export, look at what it left, then build again to completion."""
+    output = tmp_path_factory.mktemp("build") / "repo"
+    command = _build_command(tiny_targets["qwen3"], trained_drafter, output)
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert process.stderr is not None
+    for line in process.stderr:
+        if "exporting the step graph" in line:
+            break
+    time.sleep(1.0)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    left_behind = sorted(p.name for p in output.parent.iterdir())
+    staging_manifests = list(output.parent.glob(".repo.partial-*/" + MANIFEST))
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return output, left_behind, staging_manifests
+
+
+def test_interrupted_build_leaves_no_valid_output_and_a_rerun_succeeds(interrupted_then_built) -> None:
+    output, left_behind, staging_manifests = interrupted_then_built
+    assert "repo" not in left_behind, "a killed build must not leave the output directory"
+    assert all(name.startswith(".repo.partial-") for name in left_behind)
+    assert staging_manifests == [], "the staging directory of a killed build must not hold a manifest"
+    assert is_complete_repository(output)
+    assert not list(output.parent.glob(".repo.partial-*")), "the rerun cleans up what the killed build left"
+
+
+def test_repository_layout(interrupted_then_built) -> None:
+    output = interrupted_then_built[0]
+    for model in ("ensemble", "preprocessing", "dflash", "postprocessing"):
+        assert (output / model / "config.pbtxt").is_file()
+        assert "${" not in (output / model / "config.pbtxt").read_text(), "every template placeholder is filled"
+    assert (output / "preprocessing/1/tokenizer/tokenizer.json").is_file()
+    engine, manifest = load_engine(output)
+    assert manifest["backend"] == "onnxruntime" and manifest["engine"]["block_size"] == 16
+    assert set(manifest["target"]["sha256"]) >= {"config.json", "model.safetensors"}
+
+
+def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_built) -> None:
+    engine_dir = interrupted_then_built[0] / "dflash" / "1" / "engine"
+    for name in ("prefill", "step", "decode"):
+        onnx.checker.check_model(str(engine_dir / f"{name}.onnx"), full_check=True)
+        model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
+        standard = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
+        custom = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+        assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"
+        assert custom <= DFLASH_OPS and "HiddenStateTap" in custom
+        assert {n.domain for n in model.graph.node} <= {"", DOMAIN}
+    # Every large weight is stored once, in the shared file.
+    sizes = {p.name: p.stat().st_size for p in engine_dir.iterdir()}
+    assert sizes["weights.bin"] > max(sizes[f"{n}.onnx"] for n in ("prefill", "step", "decode"))
+
+
+def test_onnxruntime_engine_equals_transformers_greedy(interrupted_then_built, tiny_targets: dict[str, Path]) -> None:
+    engine, _ = load_engine(interrupted_then_built[0])
+    model = AutoModelForCausalLM.from_pretrained(tiny_targets["qwen3"], dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(2)
+    longest = 0
+    for _ in range(NUM_PROMPTS):
+        prompt = torch.randint(1, 90, (int(torch.randint(3, 40, (1,), generator=generator)),), generator=generator).tolist()
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        result = generate(engine, prompt, NEW_TOKENS)
+        assert result.tokens == expected[0, len(prompt) :].tolist()
+        assert generate_plain(engine, prompt, NEW_TOKENS).tokens == result.tokens
+        longest = max(longest, *result.stats.acceptance_lengths)
+    assert longest >= 9, "the trained drafter should get long runs accepted through the ORT engine too"
+
+
+def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets: dict[str, Path], trained_drafter: Path) -> None:
+    """Cache rows and draft-context rows (functions of the target's K/V and taps) within 1e-4 of the torch engine."""
+    ort_engine, _ = load_engine(interrupted_then_built[0])
+    reference = torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256)
+    from dflash_trt.runtime.sampling import SamplingParams
+
+    prompt = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
+    caches = [reference.allocate(1), ort_engine.allocate(1)]
+    outs = [
+        e.prefill(c, prompt, torch.full((1, 1), 0.5), SamplingParams())
+        for e, c in zip((reference, ort_engine), caches, strict=True)
+    ]
+    for _ in range(3):
+        outs = [
+            e.step(c, outs[0].next_block, outs[0].next_start, torch.full((1, 16), 0.5), SamplingParams())
+            for e, c in zip((reference, ort_engine), caches, strict=True)
+        ]
+        assert torch.equal(outs[0].emitted, outs[1].emitted) and torch.equal(outs[0].next_block, outs[1].next_block)
+    for ref_cache, ort_cache in ((caches[0].target, caches[1].target), (caches[0].draft_ctx, caches[1].draft_ctx)):
+        assert (ref_cache.k - ort_cache.k).abs().max() <= 1e-4
+        assert (ref_cache.v - ort_cache.v).abs().max() <= 1e-4
+
+
+def test_tensorrt_backend_fails_clearly_here(
+    tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path: Path, capsys
+) -> None:
+    code = dflash_build(
+        [
+            "--model",
+            str(tiny_targets["qwen3"]),
+            "--drafter",
+            str(trained_drafter),
+            "--backend",
+            "tensorrt",
+            "--output",
+            str(tmp_path / "r"),
+        ]
+    )
+    assert code == 2
+    assert "--backend tensorrt needs TensorRT 10+ and an NVIDIA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_build_errors_name_the_value(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path: Path, capsys) -> None:
+    base = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--output", str(tmp_path / "r")]
+    assert dflash_build([*base, "--max-seq-len", "100000"]) == 2
+    assert "--max-seq-len 100000 must be in (16, 496]" in capsys.readouterr().err
+    assert dflash_build(["--model", "no-such-model", "--output", str(tmp_path / "r")]) == 2
+    assert "'no-such-model' is neither a directory, a known model" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -1,0 +1,43 @@
+"""The TensorRT layer type-checks against TensorRT's own stubs, and the check catches a misspelt API call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULE = ROOT / "builder" / "tensorrt_engine.py"
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prepared = ROOT / ".typings"
+    if (prepared / "tensorrt" / "__init__.pyi").is_file():
+        return prepared
+    output = tmp_path_factory.mktemp("typings")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_tensorrt_stubs.py"), str(output)], check=True)
+    return output
+
+
+def _mypy(path: Path, stubs: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "--no-incremental", str(path)]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(stubs)}, cwd=ROOT)
+
+
+def test_tensorrt_module_type_checks(stubs: Path) -> None:
+    result = _mypy(MODULE, stubs)
+    assert result.returncode == 0, result.stdout
+
+
+def test_a_planted_misspelling_fails_the_check(stubs: Path, tmp_path: Path) -> None:
+    source = MODULE.read_text()
+    assert "builder.build_serialized_network(" in source
+    planted = tmp_path / "tensorrt_engine_planted.py"
+    planted.write_text(source.replace("builder.build_serialized_network(", "builder.build_serialized_netwrk("))
+    result = _mypy(planted, stubs)
+    assert result.returncode != 0
+    assert '"Builder" has no attribute "build_serialized_netwrk"' in result.stdout

@@ -21,7 +21,7 @@ test-fast: lint
 lint: venv .typings/tensorrt/__init__.pyi
 	$(VENV)/bin/ruff check $(SOURCES)
 	$(VENV)/bin/ruff format --check $(SOURCES)
-	MYPYPATH=.typings $(VENV)/bin/mypy builder plugins runtime
+	MYPYPATH=.typings $(VENV)/bin/mypy builder plugins runtime client
 
 venv: $(VENV)/.installed
 

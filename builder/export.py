@@ -103,7 +103,33 @@ def export_graph(graphs: DFlashGraphs, name: str) -> onnx.ModelProto:
             verbose=False,
         )
     assert program is not None
-    return attach_functions(program.model_proto, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS])
+    model = fold_weight_transposes(program.model_proto)
+    return attach_functions(model, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS])
+
+
+def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Replace Transpose(initializer) by a transposed initializer, in place.
+
+    The exporter's optimizer leaves large ones (the lm_head / tied embedding) to run at every call, which
+    costs more memory traffic than the matmul itself on a CPU.
+    """
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    kept = []
+    for node in model.graph.node:
+        source = initializers.get(node.input[0]) if node.op_type == "Transpose" else None
+        if source is None:
+            kept.append(node)
+            continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        folded = onnx.numpy_helper.to_array(source).transpose(perm)
+        model.graph.initializer.append(onnx.numpy_helper.from_array(folded.copy(), name=node.output[0]))
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    used = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
+    for tensor in unused:
+        model.graph.initializer.remove(tensor)
+    return model
 
 
 def save_with_shared_weights(models: dict[str, onnx.ModelProto], directory: Path) -> None:

@@ -95,11 +95,11 @@ def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: Gra
         )
     max_seq_len = engine.max_seq_len
     if max_new_tokens <= 0:
-        raise RequestError(f"max_new_tokens={max_new_tokens} must be positive")
+        raise RequestError(f"max_tokens={max_new_tokens} must be positive")
     if len(prompt_ids) + max_new_tokens > max_seq_len:
         raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) = {len(prompt_ids) + max_new_tokens} "
-            f"exceeds the maximum sequence length {max_seq_len}: shorten the prompt, lower max_new_tokens, or rebuild "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_new_tokens}) = {len(prompt_ids) + max_new_tokens} "
+            f"exceeds the maximum sequence length {max_seq_len}: shorten the prompt, lower max_tokens, or rebuild "
             "with a larger --max-seq-len"
         )
     sampling.validate()

@@ -95,3 +95,23 @@ def trained_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.Temp
     config = json.loads((untrained / "config.json").read_text())
     save_drafter(drafter, config, output)
     return output
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dflash-build model repository (ONNX Runtime engines) of the tiny qwen3 target and its trained drafter."""
+    from dflash_trt.builder.cli import main as dflash_build
+
+    output = tmp_path_factory.mktemp("repository") / "tiny"
+    command = [
+        "--model",
+        str(tiny_targets["qwen3"]),
+        "--drafter",
+        str(trained_drafter),
+        "--output",
+        str(output),
+        "--max-seq-len",
+        "256",
+    ]
+    assert dflash_build(command) == 0
+    return output

@@ -23,8 +23,8 @@ def engine(tiny_targets: dict[str, Path], tiny_drafter: Path) -> GraphEngine:
     ("prompt", "max_new_tokens", "sampling", "message"),
     [
         ([], 8, SamplingParams(), "prompt is empty"),
-        ([1, 2], 0, SamplingParams(), "max_new_tokens=0 must be positive"),
-        ([1, 2], -3, SamplingParams(), "max_new_tokens=-3 must be positive"),
+        ([1, 2], 0, SamplingParams(), "max_tokens=0 must be positive"),
+        ([1, 2], -3, SamplingParams(), "max_tokens=-3 must be positive"),
         ([1, 2], 8, SamplingParams(temperature=-0.5), "temperature=-0.5 is invalid"),
         ([1, 2], 8, SamplingParams(temperature=1.0, top_p=0.0), r"top_p=0.0 is outside \(0, 1\]"),
         ([1, 2], 8, SamplingParams(temperature=1.0, top_p=1.5), r"top_p=1.5 is outside \(0, 1\]"),

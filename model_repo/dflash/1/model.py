@@ -40,10 +40,12 @@ class TritonPythonModel:
             "steps": ("dflash_steps_total", "Draft-verify steps"),
             "tokens": ("dflash_generated_tokens_total", "Tokens generated"),
         }
-        self.counters = {
-            key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
+        # The families must outlive their metrics: keep both.
+        self.metric_families = {
+            key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
             for key, (name, text) in families.items()
         }
+        self.counters = {key: family.Metric(labels=labels) for key, family in self.metric_families.items()}
 
     def _sampling(self, request: object) -> SamplingParams:
         seed = _scalar(request, "seed", None)

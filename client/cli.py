@@ -1,0 +1,62 @@
+"""dflash-client: stream a completion from a served dflash model repository (gRPC by default, or HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dflash_trt.client.triton_client import Request, ServerError, Timing, http_generate, http_generate_stream, stream_text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-client", description=__doc__)
+    parser.add_argument("prompt")
+    parser.add_argument("--url", help="gRPC host:port (default localhost:8001) or, with --http, http://host:port (default :8000)")
+    parser.add_argument("--http", action="store_true", help="use Triton's HTTP generate / generate_stream endpoints")
+    parser.add_argument("--no-stream", action="store_true", help="one response at the end")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--stats", action="store_true", help="print the draft acceptance rate, TTFT and inter-response latency")
+    args = parser.parse_args(argv)
+    request = Request(
+        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, None, tuple(args.stop), not args.no_stream
+    )
+    url = args.url or ("http://localhost:8000" if args.http else "localhost:8001")
+    timing = Timing()
+    last: dict[str, object] = {}
+    try:
+        if args.http and args.no_stream:
+            last = http_generate(url, args.prompt, request)
+            timing.mark()
+            print(last["text_output"], end="")
+        else:
+            pieces = (
+                http_generate_stream(url, args.prompt, request, timing)
+                if args.http
+                else stream_text(url, args.prompt, request, timing)
+            )
+            for piece in pieces:
+                print(piece["text"], end="", flush=True)
+                last = piece
+    except (ServerError, OSError) as error:
+        print(f"\ndflash-client: error: {error}", file=sys.stderr)
+        return 1
+    print()
+    if args.stats and last:
+        draft, accepted = int(last.get("total_draft_tokens", 0)), int(last.get("total_accepted_draft_tokens", 0))  # type: ignore[call-overload]
+        elapsed = timing.arrivals[-1] - timing.started if timing.arrivals else float("nan")
+        print(
+            f"acceptance rate {float(last.get('acceptance_rate', 0.0)):.1%} ({accepted}/{draft} draft tokens) | "  # type: ignore[arg-type]
+            f"TTFT {timing.ttft * 1e3:.0f} ms | inter-response {timing.inter_token * 1e3:.0f} ms | "
+            f"{len(timing.arrivals)} responses in {elapsed:.2f} s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,181 @@
+"""A small client for a served dflash model repository: gRPC streaming (default) and HTTP generate endpoints.
+
+`stream_text` talks to the `ensemble` (text in, text out); `stream_tokens` to the token-level `dflash` model.
+Both yield pieces as the server sends them (one per draft-verify step) and end with the request's statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+
+class ServerError(RuntimeError):
+    """The server answered the request with an error (its message says why)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    end_id: int | None = None
+    stop_words: tuple[str, ...] = ()
+    stream: bool = True
+
+    def fields(self) -> dict[str, Any]:
+        """Triton inputs (tensorrtllm_backend names) other than the prompt, omitting unset optionals."""
+        values: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            "stream": self.stream,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+        }
+        if self.seed is not None:
+            values["seed"] = self.seed
+        if self.end_id is not None:
+            values["end_id"] = self.end_id
+        if self.stop_words:
+            values["stop_words"] = list(self.stop_words)
+        return values
+
+
+NUMPY_TYPES = {
+    "max_tokens": np.int32,
+    "stream": np.bool_,
+    "temperature": np.float32,
+    "top_k": np.int32,
+    "top_p": np.float32,
+    "seed": np.uint64,
+    "end_id": np.int32,
+}
+
+
+@dataclass
+class Timing:
+    """Client-side latencies of one request."""
+
+    started: float = field(default_factory=time.perf_counter)
+    arrivals: list[float] = field(default_factory=list)
+
+    def mark(self) -> None:
+        self.arrivals.append(time.perf_counter())
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.started if self.arrivals else float("nan")
+
+    @property
+    def inter_token(self) -> float:
+        """Mean seconds between successive responses (each may carry several tokens)."""
+        gaps = np.diff(self.arrivals)
+        return float(gaps.mean()) if len(gaps) else float("nan")
+
+
+def _grpc_inputs(prompt_name: str, prompt: np.ndarray, request: Request) -> list[grpcclient.InferInput]:
+    tensors = [(prompt_name, prompt)]
+    for name, value in request.fields().items():
+        array = np.array(value, dtype=object) if name == "stop_words" else np.array([value], dtype=NUMPY_TYPES[name])
+        tensors.append((name, array))
+    inputs = []
+    for name, array in tensors:
+        datatype = "BYTES" if array.dtype == object else grpcclient.np_to_triton_dtype(array.dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def grpc_stream(
+    url: str, model: str, inputs: list[grpcclient.InferInput], outputs: tuple[str, ...], timeout: float = 600.0
+) -> Iterator[dict[str, np.ndarray]]:
+    """One decoupled request over a gRPC stream: yields each non-empty response's named outputs."""
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=timeout)
+            if error is not None:
+                raise ServerError(str(error))
+            arrays = {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
+            if arrays:
+                yield arrays
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def stream_tokens(url: str, input_ids: list[int], request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
+    """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response."""
+    inputs = _grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request)
+    for arrays in grpc_stream(
+        url, "dflash", inputs, ("output_ids", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate")
+    ):
+        if timing is not None:
+            timing.mark()
+        yield {
+            "tokens": arrays["output_ids"].tolist(),
+            **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "output_ids"},
+        }
+
+
+def stream_text(url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
+    """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response."""
+    inputs = _grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), request)
+    outputs = ("text_output", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate")
+    for arrays in grpc_stream(url, "ensemble", inputs, outputs):
+        if timing is not None:
+            timing.mark()
+        piece = b"".join(arrays["text_output"].reshape(-1)).decode("utf-8")
+        yield {"text": piece, **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "text_output"}}
+
+
+def http_generate_stream(base_url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
+    """Triton's HTTP generate_stream endpoint (server-sent events) on the ensemble."""
+    body = json.dumps({"text_input": text, **request.fields()}).encode("utf-8")
+    post = urllib.request.Request(
+        f"{base_url}/v2/models/ensemble/generate_stream", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(post, timeout=600) as response:
+        for raw in response:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[len("data:") :])
+            if "error" in event:
+                raise ServerError(event["error"])
+            if timing is not None:
+                timing.mark()
+            yield {
+                "text": event.get("text_output", ""),
+                **{k: v for k, v in event.items() if k.startswith(("total_", "acceptance"))},
+            }
+
+
+def http_generate(base_url: str, text: str, request: Request) -> dict[str, Any]:
+    """Triton's HTTP generate endpoint (one JSON answer; the request must not stream)."""
+    body = json.dumps({"text_input": text, **request.fields(), "stream": False}).encode("utf-8")
+    post = urllib.request.Request(
+        f"{base_url}/v2/models/ensemble/generate", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(post, timeout=600) as response:
+            answer: dict[str, Any] = json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise ServerError(json.loads(error.read()).get("error", str(error))) from None
+    return answer

@@ -1,0 +1,162 @@
+"""dflash-serve: run a real NVIDIA Triton Inference Server on a dflash-build model repository.
+
+Uses the system `tritonserver` where one is installed (the NVIDIA Triton container), else the one bundled in
+the `nvidia-pytriton` wheel, with the set-up that binary needs done here: a private Python-backend directory
+holding the stub for this Python, this environment's `bin` first on PATH (so the stub's models import this
+environment's packages), and libpython plus the wheel's own libraries on LD_LIBRARY_PATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_trt.builder.embedded import data_dir
+from dflash_trt.builder.repository import is_complete_repository
+
+SYSTEM_TRITON = Path("/opt/tritonserver")
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backend_dir: Path
+    env: dict[str, str]
+
+
+def _bundled_triton() -> TritonInstall:
+    try:
+        import pytriton
+    except ImportError:
+        raise RuntimeError(
+            "no tritonserver found: install nvidia-pytriton==0.7.0 or run inside the NVIDIA Triton container"
+        ) from None
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / python_version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"nvidia-pytriton has no Python-backend stub for Python {python_version}; use Python 3.8-3.13")
+    backend_dir = data_dir() / "triton-backends"
+    python_backend = backend_dir / "python"
+    python_backend.mkdir(parents=True, exist_ok=True)
+    for source in [*(root / "backends" / "python").iterdir(), stub]:
+        if source.is_file() and not (python_backend / source.name).exists():
+            shutil.copy2(source, python_backend / source.name)
+    libraries = [sysconfig.get_config_var("LIBDIR"), str(root.parent.parent / "nvidia_pytriton.libs")]
+    env = {
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "LD_LIBRARY_PATH": os.pathsep.join([*libraries, os.environ.get("LD_LIBRARY_PATH", "")]),
+    }
+    return TritonInstall(root / "bin" / "tritonserver", backend_dir, env)
+
+
+def find_triton() -> TritonInstall:
+    system = shutil.which("tritonserver") or (
+        str(SYSTEM_TRITON / "bin" / "tritonserver") if (SYSTEM_TRITON / "bin").is_dir() else None
+    )
+    if system:
+        return TritonInstall(Path(system), SYSTEM_TRITON / "backends", {})
+    return _bundled_triton()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Ports:
+    grpc: int
+    http: int
+    metrics: int
+
+
+def start_server(repo: Path, ports: Ports, log_path: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start tritonserver on the repository (not waiting for readiness)."""
+    if not is_complete_repository(repo):
+        raise FileNotFoundError(
+            f"{repo} is not a complete dflash-build model repository (no dflash-manifest.json); run dflash-build first"
+        )
+    triton = find_triton()
+    command = [
+        str(triton.binary), f"--model-repository={repo.resolve()}", f"--backend-directory={triton.backend_dir}",
+        f"--grpc-port={ports.grpc}", f"--http-port={ports.http}", f"--metrics-port={ports.metrics}",
+        "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true", "--log-verbose=0",
+    ]  # fmt: skip
+    output = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child process
+    return subprocess.Popen(
+        command, env={**os.environ, **triton.env}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def wait_ready(process: subprocess.Popen[bytes], http_port: int, timeout: float = 120.0) -> float:
+    """Seconds until /v2/health/ready answers 200; raises if the server exits or the time runs out."""
+    began = time.perf_counter()
+    while time.perf_counter() - began < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with code {process.returncode} before it was ready (see its log)")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return time.perf_counter() - began
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"tritonserver was not ready after {timeout:.0f} s")
+
+
+def stop_server(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """SIGTERM the server's process group, SIGKILL it if it does not exit in time; returns its exit code."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__)
+    parser.add_argument("repo", type=Path, help="a dflash-build output directory")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    args = parser.parse_args(argv)
+    try:
+        process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port))
+        seconds = wait_ready(process, args.http_port)
+    except (FileNotFoundError, RuntimeError, TimeoutError) as error:
+        print(f"dflash-serve: error: {error}", file=sys.stderr)
+        return 2
+    print(f"dflash-serve: ready in {seconds:.1f} s", file=sys.stderr)
+    print(
+        f"  gRPC     localhost:{args.grpc_port}\n  HTTP     http://localhost:{args.http_port}\n  metrics  http://localhost:{args.metrics_port}/metrics"
+    )
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        os.killpg(process.pid, signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = process.wait()
+    return 0 if stopping else code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

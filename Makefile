@@ -10,7 +10,8 @@ SOURCES := builder plugins runtime client model_repo tests scripts
 .PHONY: demo test test-fast lint venv clean
 
 demo: venv
-	$(VENV)/bin/dflash-generate --compare-plain
+	mkdir -p out
+	bash scripts/demo.sh
 
 test: lint
 	$(PY) -m pytest
@@ -38,4 +39,4 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .typings out

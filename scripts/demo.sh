@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The main job on the embedded CPU default: build the SmolLM2-135M pair, serve it with Triton, stream a
+# completion over gRPC, print acceptance stats, then compare with plain decoding in-process.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+REPO=${DFLASH_DEMO_REPO:-out/smollm2-demo}
+PROMPT=${DFLASH_DEMO_PROMPT:-"Write a Python function that returns the n-th Fibonacci number."}
+if [ ! -f "$REPO/dflash-manifest.json" ]; then
+  "$BIN/dflash-build" --model smollm2-135m --output "$REPO" --max-seq-len 1024
+fi
+"$BIN/dflash-serve" "$REPO" --grpc-port 18001 --http-port 18000 --metrics-port 18002 > out/demo-server.log 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
+"$BIN/python" - <<'PY'
+import sys, time, urllib.request
+for _ in range(300):
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:18000/v2/health/ready", timeout=1).status == 200:
+            sys.exit(0)
+    except OSError:
+        time.sleep(0.5)
+sys.exit("tritonserver did not become ready; see out/demo-server.log")
+PY
+echo "--- streaming from tritonserver (gRPC, ensemble) ---"
+"$BIN/dflash-client" "$PROMPT" --url localhost:18001 --max-tokens 128 --stats
+echo "--- the same prompt in-process: DFlash vs plain decoding on the same engine ---"
+"$BIN/dflash-bench" --repo "$REPO" --num-prompts 1 --max-tokens 64 --repeats 5

@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,19 +33,31 @@ BUILTIN_PROMPTS = (
 
 
 def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[float, float]:
-    """Median seconds of one fused step (verify B tokens + tap + draft) and of one plain 1-token decode step."""
+    """Median seconds of one fused step (verify B tokens + tap + draft) and of one plain 1-token decode step.
+
+    Each is timed in a run of its own, as decoding uses it: alternating the two graphs makes each session's
+    spinning thread pool compete with the other's on a small CPU.
+    """
     caches = engine.allocate(1)
     greedy = SamplingParams()
     first = engine.prefill(caches, torch.tensor([prompt]), torch.zeros(1, 1), greedy)
-    step_times, decode_times = [], []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        engine.step(caches, first.next_block, first.next_start, torch.zeros(1, engine.block_size), greedy)
-        step_times.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        engine.decode_one(caches, first.next_block[:, 0], first.next_start, torch.zeros(1, 1), greedy)
-        decode_times.append(time.perf_counter() - began)
-    return statistics.median(step_times), statistics.median(decode_times)
+
+    def median_seconds(call: Callable[[], object]) -> float:
+        call()  # warm-up
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    step = median_seconds(
+        lambda: engine.step(caches, first.next_block, first.next_start, torch.zeros(1, engine.block_size), greedy)
+    )
+    decode = median_seconds(
+        lambda: engine.decode_one(caches, first.next_block[:, 0], first.next_start, torch.zeros(1, 1), greedy)
+    )
+    return step, decode
 
 
 def decode_rate(result: Generation) -> float:
@@ -69,6 +82,28 @@ def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: in
     return rates, outputs
 
 
+def served_rates(
+    url: str, prompts: list[list[int]], max_tokens: int, in_process: list[float], plain_outputs: list[list[int]]
+) -> dict[str, object]:
+    """Stream the same prompts through the served `dflash` model: decode tok/s (after the first response) and TTFT."""
+    from dflash_trt.client.triton_client import Request, Timing, stream_tokens
+
+    rates, ttfts, outputs = [], [], []
+    for prompt in prompts:
+        timing = Timing()
+        tokens = [t for response in stream_tokens(url, prompt, Request(max_tokens), timing) for t in response["tokens"]]
+        last = timing.arrivals[-2] if len(timing.arrivals) > 1 else timing.arrivals[-1]  # the final response is empty
+        rates.append((len(tokens) - 1) / max(last - timing.arrivals[0], 1e-9))
+        ttfts.append(timing.ttft)
+        outputs.append(tokens)
+    return {
+        "served_tok_s_median": statistics.median(rates),
+        "served_over_in_process": statistics.median(rates) / statistics.median(in_process),
+        "served_ttft_ms_median": statistics.median(ttfts) * 1e3,
+        "served_identical": outputs == plain_outputs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__)
     parser.add_argument("--repo", type=Path, required=True, help="a dflash-build output (model repository)")
@@ -77,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions of the step/decode micro-benchmark")
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
     parser.add_argument("--against", choices=("transformers",), action="append", default=[])
+    parser.add_argument("--served", metavar="HOST:PORT", help="also stream the prompts from a dflash-serve gRPC endpoint")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -90,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     stop_free = args.max_tokens  # fixed-length runs: the same work for every method
 
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
-    plain_rates, dflash_rates, taus, identical = [], [], [], []
+    plain_rates, dflash_rates, taus, identical, ttfts = [], [], [], [], []
     plain_outputs = []
     for prompt in prompts:  # alternate plain and DFlash prompt by prompt
         plain = generate_plain(engine, prompt, stop_free)
@@ -98,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         plain_rates.append(decode_rate(plain))
         dflash_rates.append(decode_rate(dflash))
         taus.append(dflash.stats.tau)
+        ttfts.append(dflash.stats.prefill_seconds)
         identical.append(plain.tokens == dflash.tokens)
         plain_outputs.append(plain.tokens)
     results: dict[str, object] = {
@@ -110,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         "dflash_tok_s_median": statistics.median(dflash_rates),
         "dflash_speedup": statistics.median(dflash_rates) / statistics.median(plain_rates),
         "tau_mean": statistics.mean(taus),
+        "ttft_ms_median": statistics.median(ttfts) * 1e3,
         "t0_identical": all(identical),
     }
+    if args.served:
+        results.update(served_rates(args.served, prompts, stop_free, dflash_rates, plain_outputs))
     if "transformers" in args.against:
         rates, outputs = transformers_rate(Path(manifest["target"]["source"]), prompts, stop_free)
         results["transformers_tok_s_median"] = statistics.median(rates)

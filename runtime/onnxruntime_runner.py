@@ -35,6 +35,10 @@ class SessionSettings:
 
 class OnnxRuntimeRunner:
     def __init__(self, directory: Path, settings: SessionSettings = SessionSettings()) -> None:
+        # ONNX Runtime owns the cores; the host's torch work is small bookkeeping (cache rows, slices). Letting
+        # torch start its own thread pool next to ORT's spinning one oversubscribes the cores: measured on
+        # SmolLM2-135M with 2 cores, plain decoding went from 22.6 to 38.5 tok/s with one torch thread.
+        torch.set_num_threads(1)
         options = settings.options()
         self.sessions = {
             name: ort.InferenceSession(str(directory / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])

@@ -8,6 +8,19 @@ import sys
 from dflash_trt.client.triton_client import Request, ServerError, Timing, http_generate, http_generate_stream, stream_text
 
 
+def format_stats(last: dict[str, object], timing: Timing) -> str:
+    """tau, acceptance rate, TTFT, inter-response latency and tok/s from the final response's counters."""
+    steps, tokens = int(last.get("total_steps", 0)), int(last.get("total_output_tokens", 0))  # type: ignore[call-overload]
+    draft, accepted = int(last.get("total_draft_tokens", 0)), int(last.get("total_accepted_draft_tokens", 0))  # type: ignore[call-overload]
+    elapsed = timing.arrivals[-1] - timing.started if timing.arrivals else float("nan")
+    tau = (tokens - 1) / steps if steps else float("nan")  # the first token comes from prefill
+    return (
+        f"tau {tau:.2f} | acceptance rate {accepted / draft if draft else 0.0:.1%} ({accepted}/{draft} draft tokens) | "
+        f"TTFT {timing.ttft * 1e3:.0f} ms | inter-response {timing.inter_token * 1e3:.0f} ms | "
+        f"{tokens / elapsed:.1f} tok/s ({tokens} tokens in {elapsed:.2f} s)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-client", description=__doc__)
     parser.add_argument("prompt")
@@ -47,14 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print()
     if args.stats and last:
-        draft, accepted = int(last.get("total_draft_tokens", 0)), int(last.get("total_accepted_draft_tokens", 0))  # type: ignore[call-overload]
-        elapsed = timing.arrivals[-1] - timing.started if timing.arrivals else float("nan")
-        print(
-            f"acceptance rate {float(last.get('acceptance_rate', 0.0)):.1%} ({accepted}/{draft} draft tokens) | "  # type: ignore[arg-type]
-            f"TTFT {timing.ttft * 1e3:.0f} ms | inter-response {timing.inter_token * 1e3:.0f} ms | "
-            f"{len(timing.arrivals)} responses in {elapsed:.2f} s",
-            file=sys.stderr,
-        )
+        print(format_stats(last, timing), file=sys.stderr)
     return 0
 
 

@@ -51,6 +51,7 @@ class Request:
         return values
 
 
+STAT_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
 NUMPY_TYPES = {
     "max_tokens": np.int32,
     "stream": np.bool_,
@@ -123,9 +124,7 @@ def grpc_stream(
 def stream_tokens(url: str, input_ids: list[int], request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response."""
     inputs = _grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request)
-    for arrays in grpc_stream(
-        url, "dflash", inputs, ("output_ids", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate")
-    ):
+    for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS)):
         if timing is not None:
             timing.mark()
         yield {
@@ -137,7 +136,7 @@ def stream_tokens(url: str, input_ids: list[int], request: Request, timing: Timi
 def stream_text(url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response."""
     inputs = _grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), request)
-    outputs = ("text_output", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate")
+    outputs = ("text_output", *STAT_OUTPUTS)
     for arrays in grpc_stream(url, "ensemble", inputs, outputs):
         if timing is not None:
             timing.mark()

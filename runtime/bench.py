@@ -107,6 +107,7 @@ def served_rates(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__)
     parser.add_argument("--repo", type=Path, required=True, help="a dflash-build output (model repository)")
+    parser.add_argument("--dataset", choices=("builtin", "humaneval"), default="builtin")
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions of the step/decode micro-benchmark")

@@ -15,19 +15,11 @@ from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
+from dflash_trt.runtime.prompts import encode_prompt
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool) -> list[int]:
-    if chat and tokenizer.chat_template:
-        text = str(
-            tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        )
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
 
 
 def print_stats(stats: GenerationStats, tokens: int) -> None:
@@ -70,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             drafter_dir = untrained_drafter_dir(target_dir, tokenizer, args.block_size)
         target, drafter = load_pair(target_dir, drafter_dir)
         engine = torch_engine(target, drafter, min(args.max_seq_len, target.config.max_position_embeddings), args.block_size)
-        ids = prompt_ids(tokenizer, args.prompt, chat=not args.raw)
+        ids = encode_prompt(tokenizer, args.prompt, chat=not args.raw)
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
         stop = StopCriteria(eos_token_ids=target.config.eos_token_ids)
         stats = GenerationStats(engine.block_size)

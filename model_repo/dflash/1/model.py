@@ -67,13 +67,15 @@ class TritonPythonModel:
         eos = self.eos_ids if end_id is None else (int(end_id),)  # type: ignore[call-overload]
         return StopCriteria(eos_token_ids=eos, stop_strings=tuple(s for s in stop_strings if s), decode=self.tokenizer.decode)
 
-    def _response(self, new: list[int], prefix: list[int], stats: GenerationStats) -> object:
+    def _response(self, new: list[int], prefix: list[int], stats: GenerationStats, produced: int) -> object:
         tensors = [
             pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int64)),
             pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int64)),
             pb_utils.Tensor("total_draft_tokens", np.asarray([stats.draft_tokens], dtype=np.int64)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([stats.accepted_draft_tokens], dtype=np.int64)),
             pb_utils.Tensor("acceptance_rate", np.asarray([stats.acceptance_rate], dtype=np.float32)),
+            pb_utils.Tensor("total_steps", np.asarray([stats.steps], dtype=np.int64)),
+            pb_utils.Tensor("total_output_tokens", np.asarray([produced], dtype=np.int64)),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -93,13 +95,15 @@ class TritonPythonModel:
                 if request.is_cancelled():  # type: ignore[attr-defined]
                     break
                 if streaming and not self.tokenizer.decode(tokens[sent:]).endswith("\ufffd"):
-                    sender.send(self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats))
+                    sender.send(self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats, len(tokens)))
                     sent = len(tokens)
             self._count(stats, len(tokens))
             if streaming:
-                sender.send(self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats), flags=final)
+                sender.send(
+                    self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats, len(tokens)), flags=final
+                )
             else:
-                sender.send(self._response(tokens, [], stats), flags=final)
+                sender.send(self._response(tokens, [], stats, len(tokens)), flags=final)
         except RequestError as error:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=final)
         except Exception as error:  # never crash the server or lose the request: report it to this client

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from dflash_trt.runtime.prompts import encode_prompt
 from transformers import AutoTokenizer
 
 
@@ -15,7 +16,7 @@ class TritonPythonModel:
         params = json.loads(args["model_config"])["parameters"]
         root = Path(args["model_repository"]).parent
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
-        self.chat = params["apply_chat_template"]["string_value"] == "true" and bool(self.tokenizer.chat_template)
+        self.chat = params["apply_chat_template"]["string_value"] == "true"
 
     def execute(self, requests: list) -> list:
         responses = []
@@ -26,10 +27,6 @@ class TritonPythonModel:
                 error = pb_utils.TritonError("text_input is empty: send at least one character of prompt")
                 responses.append(pb_utils.InferenceResponse(error=error))
                 continue
-            if self.chat:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-                )
-            ids = self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"]
+            ids = encode_prompt(self.tokenizer, text, chat=self.chat)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int64))]))
         return responses

@@ -1,0 +1,53 @@
+"""The real embedded pair served for real: SmolLM2-135M engines behind tritonserver, HumanEval prompts, T=0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.client.triton_client import Request, http_generate_stream, stream_text, stream_tokens
+from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.prompts import encode_prompt, humaneval_prompts
+from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.serve import Ports, free_port, start_server, stop_server, wait_ready
+from transformers import AutoTokenizer
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("smollm2") / "repo"
+    assert dflash_build(["--model", "smollm2-135m", "--output", str(output), "--max-seq-len", "512"]) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
+    ports = Ports(free_port(), free_port(), free_port())
+    process = start_server(smollm2_repo, ports, tmp_path_factory.mktemp("triton") / "server.log")
+    try:
+        wait_ready(process, ports.http)
+        yield ports
+    finally:
+        assert stop_server(process) == 0
+
+
+def test_humaneval_streams_equal_the_in_process_engine(smollm2_repo: Path, server: Ports) -> None:
+    engine, _ = load_engine(smollm2_repo)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_repo / TOKENIZER_DIR)
+    for text in humaneval_prompts(5):
+        ids = encode_prompt(tokenizer, text)
+        expected = generate(engine, ids, MAX_TOKENS).tokens
+        served = [t for r in stream_tokens(f"localhost:{server.grpc}", ids, Request(MAX_TOKENS)) for t in r["tokens"]]
+        assert served == expected
+        expected_text = tokenizer.decode(expected, skip_special_tokens=True)
+        assert "".join(r["text"] for r in stream_text(f"localhost:{server.grpc}", text, Request(MAX_TOKENS))) == expected_text
+        assert (
+            "".join(r["text"] for r in http_generate_stream(f"http://localhost:{server.http}", text, Request(MAX_TOKENS)))
+            == expected_text
+        )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.engine import GraphEngine, SequenceCaches, StepResult
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 
 
@@ -109,6 +109,36 @@ def _uniforms(rng: np.random.Generator, count: int) -> torch.Tensor:
     return torch.from_numpy(rng.random((1, count)))  # [1, count] in [0, 1)
 
 
+@dataclass
+class _Started:
+    caches: SequenceCaches
+    rng: np.random.Generator
+    first: StepResult
+    tokens: list[int]
+
+
+def _start(
+    engine: GraphEngine,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop: StopCriteria,
+    stats: GenerationStats,
+) -> _Started:
+    """Validate the request, allocate its caches and prefill: the first token and the first draft block."""
+    validate_request(prompt_ids, max_new_tokens, engine, sampling)
+    stop.validate()
+    rng = sampling.uniform_source()
+    caches = engine.allocate(1)
+    began = time.perf_counter()
+    first = engine.prefill(caches, torch.tensor([list(prompt_ids)]), _uniforms(rng, 1), sampling)
+    stats.prefill_seconds = time.perf_counter() - began
+    tokens = [int(first.emitted[0, 0])]
+    if stop.first_stop(tokens, 0) is not None:
+        stats.finish_reason = "stop"
+    return _Started(caches, rng, first, tokens)
+
+
 def stream_dflash(
     engine: GraphEngine,
     prompt_ids: Sequence[int],
@@ -118,24 +148,15 @@ def stream_dflash(
     stats: GenerationStats | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens of each step as soon as they are accepted (several per step when drafts are accepted)."""
-    validate_request(prompt_ids, max_new_tokens, engine, sampling)
-    stop.validate()
     stats = stats if stats is not None else GenerationStats(engine.block_size)
     stats.position_accept_counts = [0] * (engine.block_size - 1)
-    rng = sampling.uniform_source()
-    caches = engine.allocate(1)
-    began = time.perf_counter()
-    # Prefill: prompt -> first token and first draft block.
-    out = engine.prefill(caches, torch.tensor([list(prompt_ids)]), _uniforms(rng, 1), sampling)
-    tokens = [int(out.emitted[0, 0])]
-    stats.prefill_seconds = time.perf_counter() - began
-    if stop.first_stop(tokens, 0) is not None:
-        stats.finish_reason = "stop"
+    started = _start(engine, prompt_ids, max_new_tokens, sampling, stop, stats)
+    tokens, out = started.tokens, started.first
     yield tokens[:]
     decode_began = time.perf_counter()
     while stats.finish_reason != "stop" and len(tokens) < max_new_tokens:
         # Step: verify the block, accept a prefix plus the bonus token, draft the next block.
-        out = engine.step(caches, out.next_block, out.next_start, _uniforms(rng, engine.block_size), sampling)
+        out = engine.step(started.caches, out.next_block, out.next_start, _uniforms(started.rng, engine.block_size), sampling)
         accept_len = int(out.accept_len[0])
         before = len(tokens)
         tokens.extend(out.emitted[0, : accept_len + 1].tolist()[: max_new_tokens - before])
@@ -169,21 +190,16 @@ def generate_plain(
     stop: StopCriteria = NO_STOP,
 ) -> Generation:
     """Plain autoregressive decoding on the same engine (the baseline DFlash must equal at T=0)."""
-    validate_request(prompt_ids, max_new_tokens, engine, sampling)
-    stop.validate()
     stats = GenerationStats(1)
-    rng = sampling.uniform_source()
-    caches = engine.allocate(1)
-    began = time.perf_counter()
-    out = engine.prefill(caches, torch.tensor([list(prompt_ids)]), _uniforms(rng, 1), sampling)
-    tokens = [int(out.emitted[0, 0])]
-    stats.prefill_seconds = time.perf_counter() - began
+    started = _start(engine, prompt_ids, max_new_tokens, sampling, stop, stats)
+    tokens = started.tokens
     decode_began = time.perf_counter()
-    while len(tokens) < max_new_tokens and stop.first_stop(tokens, len(tokens) - 1) is None:
+    while stats.finish_reason != "stop" and len(tokens) < max_new_tokens:
         position = torch.tensor([len(prompt_ids) + len(tokens) - 1])
-        tokens.append(int(engine.decode_one(caches, torch.tensor(tokens[-1:]), position, _uniforms(rng, 1), sampling)[0]))
+        token = engine.decode_one(started.caches, torch.tensor(tokens[-1:]), position, _uniforms(started.rng, 1), sampling)
+        tokens.append(int(token[0]))
         stats.record_step(0, 1)
+        if stop.first_stop(tokens, len(tokens) - 1) is not None:
+            stats.finish_reason = "stop"
     stats.decode_seconds = time.perf_counter() - decode_began
-    if stop.first_stop(tokens, len(tokens) - 1) is not None:
-        stats.finish_reason = "stop"
     return Generation(tokens, stats)

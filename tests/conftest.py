@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
 from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
+from dflash_trt.runtime.serve import Ports, free_port, start_server, stop_server, wait_ready  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 TINY = dict(
@@ -115,3 +118,15 @@ def tiny_repo(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_fac
     ]
     assert dflash_build(command) == 0
     return output
+
+
+@contextmanager
+def running_server(repo: Path, log_dir: Path) -> Iterator[Ports]:
+    """A real tritonserver on `repo` at free loopback ports, stopped (cleanly) afterwards."""
+    ports = Ports(free_port(), free_port(), free_port())
+    process = start_server(repo, ports, log_dir / "server.log")
+    try:
+        wait_ready(process, ports.http)
+        yield ports
+    finally:
+        assert stop_server(process) == 0

@@ -16,8 +16,9 @@ from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import Request, ServerError, grpc_stream, http_generate_stream, stream_text, stream_tokens
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.serve import Ports, free_port, start_server, stop_server, wait_ready
 from transformers import AutoTokenizer
+
+from tests.conftest import running_server
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["w3 w14 w15 w9 w26", "w5 w35 w89", "w7 w7 w7 w1 w2 w3 w4", "w60 w61", "w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21"]
@@ -33,13 +34,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    ports = Ports(free_port(), free_port(), free_port())
-    process = start_server(tiny_repo, ports, tmp_path_factory.mktemp("triton") / "server.log")
-    try:
-        wait_ready(process, ports.http)
+    with running_server(tiny_repo, tmp_path_factory.mktemp("triton")) as ports:
         yield Server(f"localhost:{ports.grpc}", f"http://localhost:{ports.http}", f"http://localhost:{ports.metrics}/metrics")
-    finally:
-        assert stop_server(process) == 0
 
 
 @pytest.fixture(scope="module")

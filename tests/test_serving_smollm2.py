@@ -12,8 +12,10 @@ from dflash_trt.client.triton_client import Request, http_generate_stream, strea
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.prompts import encode_prompt, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.serve import Ports, free_port, start_server, stop_server, wait_ready
+from dflash_trt.runtime.serve import Ports
 from transformers import AutoTokenizer
+
+from tests.conftest import running_server
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
@@ -28,13 +30,8 @@ def smollm2_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(smollm2_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
-    ports = Ports(free_port(), free_port(), free_port())
-    process = start_server(smollm2_repo, ports, tmp_path_factory.mktemp("triton") / "server.log")
-    try:
-        wait_ready(process, ports.http)
+    with running_server(smollm2_repo, tmp_path_factory.mktemp("triton")) as ports:
         yield ports
-    finally:
-        assert stop_server(process) == 0
 
 
 def test_humaneval_streams_equal_the_in_process_engine(smollm2_repo: Path, server: Ports) -> None:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from dflash_trt.builder.layers import rotary_cos_sin
-from dflash_trt.builder.networks import DrafterNetwork, load_drafter
+from dflash_trt.builder.networks import DrafterNetwork, load_drafter, load_target
 from dflash_trt.plugins import block_denoise, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import DOMAIN, ONNX_OPSET, attach_functions
 from torch import nn
@@ -92,3 +92,47 @@ def test_rope_helper_is_what_the_function_body_computes() -> None:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
     cos, _ = rotary_cos_sin(inv_freq, 1.0, torch.tensor([[3]]), torch.float32)
     assert torch.allclose(cos[0, 0], torch.cos(torch.tensor(3.0) * torch.cat([inv_freq, inv_freq])))
+
+
+class TargetLogitsAndTaps(nn.Module):
+    """The target network as exported inside the fused graphs, with its logits and taps as outputs."""
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        out = self.target(input_ids, positions, past_k, past_v)
+        return out.logits, out.taps
+
+
+def test_target_logits_and_taps_in_onnxruntime_match_torch(tiny_targets: dict[str, Path], tmp_path: Path) -> None:
+    target = load_target(tiny_targets["qwen3"], tap_layer_ids=(1, 3, 5))
+    shape = (6, 2, 9, 2, 24)  # [L, B, T, Hkv, D]
+    example = (
+        torch.ones(2, 16, dtype=torch.long),
+        torch.tensor([[9 + i for i in range(16)]] * 2),
+        torch.zeros(shape),
+        torch.zeros(shape),
+    )
+    batch, rows = torch.export.Dim("batch"), torch.export.Dim("rows", min=2)
+    axes = ({0: batch}, {0: batch}, {1: batch, 2: rows}, {1: batch, 2: rows})
+    program = torch.onnx.export(
+        TargetLogitsAndTaps(target).eval(), example, dynamo=True, opset_version=ONNX_OPSET, dynamic_shapes=axes
+    )
+    program.save(str(tmp_path / "target.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "target.onnx"), providers=["CPUExecutionProvider"])
+    torch.manual_seed(5)
+    inputs = (
+        torch.randint(0, 96, (1, 16)),
+        torch.arange(30, 46)[None],
+        torch.randn(6, 1, 30, 2, 24),
+        torch.randn(6, 1, 30, 2, 24),
+    )
+    actual = session.run(None, dict(zip([i.name for i in session.get_inputs()], [t.numpy() for t in inputs], strict=True)))
+    with torch.no_grad():
+        expected = TargetLogitsAndTaps(target)(*inputs)
+    for got, want in zip(actual, expected, strict=True):
+        assert np.abs(got - want.numpy()).max() <= 1e-4

@@ -56,12 +56,22 @@ def generate_responses(
     return torch.cat(sequences, dim=1)
 
 
+@dataclass(frozen=True)
+class TrainingExample:
+    tokens: torch.Tensor  # [L]: prompt + the target's own response
+    taps: torch.Tensor  # [L, n_taps*E]: the drafter's context for every position
+    first_anchor: int  # blocks start in the response: anchors >= the prompt length
+
+
 @torch.no_grad()
-def target_taps(target: TargetNetwork, sequences: torch.Tensor) -> torch.Tensor:
-    """sequences [N, L] -> tap features [N, L, n_taps*E] (the drafter's context for every position)."""
-    batch, length = sequences.shape
-    out = target(sequences, torch.arange(length).expand(batch, -1), *target.allocate_cache(batch, 0).past(0), logits_to_keep=1)
-    return out.taps.clone()
+def make_examples(target: TargetNetwork, sequences: list[torch.Tensor], prompt_lengths: list[int]) -> list[TrainingExample]:
+    """Tap every position of each sequence (one target forward per sequence)."""
+    examples = []
+    for tokens, prompt_length in zip(sequences, prompt_lengths, strict=True):
+        length = tokens.shape[0]
+        out = target(tokens[None], torch.arange(length)[None], *target.allocate_cache(1, 0).past(0), logits_to_keep=1)
+        examples.append(TrainingExample(tokens, out.taps[0].clone(), prompt_length))
+    return examples
 
 
 def sample_anchors(generator: torch.Generator, length: int, block_size: int, count: int, min_anchor: int) -> torch.Tensor:
@@ -114,7 +124,6 @@ class TrainSettings:
     sequences_per_step: int = 4
     anchors_per_sequence: int = 16
     gamma: float | None = None
-    min_anchor: int = 1
     warmup_steps: int = 20
     seed: int = 0
 
@@ -122,37 +131,34 @@ class TrainSettings:
 def train_drafter(
     drafter: DrafterNetwork,
     target: TargetNetwork,
-    sequences: torch.Tensor,
+    examples: list[TrainingExample],
     settings: TrainSettings,
     on_step: Callable[[int, float, float], None] | None = None,
     start_step: int = 0,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.optim.Optimizer:
-    """Train the drafter in place on sequences [N, L]; calls on_step(step, loss, slot-1 accuracy)."""
+    """Train the drafter in place; calls on_step(step, loss, slot-1 accuracy). Resumes from start_step."""
     for param in target.parameters():
         param.requires_grad_(False)
-    taps = target_taps(target, sequences)
-    weights = slot_weights(drafter.config.block_size, settings.gamma or default_gamma(drafter.config.block_size))
+    size = drafter.config.block_size
+    usable = [e for e in examples if e.tokens.shape[0] - size + 1 > e.first_anchor]
+    if not usable:
+        raise ValueError(f"no training sequence is long enough for a block of {size} after its prompt; generate longer responses")
+    weights = slot_weights(size, settings.gamma or default_gamma(size))
     generator = torch.Generator().manual_seed(settings.seed + start_step)
     optimizer = optimizer or torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     drafter.train()
     for step in range(start_step, settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = _cosine_lr(step, settings)
-        rows = torch.randint(0, sequences.shape[0], (settings.sequences_per_step,), generator=generator)
+        chosen = [usable[i] for i in torch.randint(0, len(usable), (settings.sequences_per_step,), generator=generator).tolist()]
         terms = [
             dflash_block_loss(
-                drafter,
-                target,
-                sequences[r],
-                taps[r],
-                sample_anchors(
-                    generator, sequences.shape[1], drafter.config.block_size, settings.anchors_per_sequence, settings.min_anchor
-                ),
-                weights,
+                drafter, target, e.tokens, e.taps,
+                sample_anchors(generator, e.tokens.shape[0], size, settings.anchors_per_sequence, e.first_anchor), weights,
             )
-            for r in rows.tolist()
-        ]
+            for e in chosen
+        ]  # fmt: skip
         loss = torch.stack([t.loss for t in terms]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -87,13 +87,14 @@ def tiny_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.TempPat
 def trained_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A drafter briefly trained on the qwen3 tiny target's own greedy continuations, so long runs get accepted."""
     from dflash_trt.builder.networks import load_drafter, load_target
-    from dflash_trt.builder.training import TrainSettings, generate_responses, train_drafter
+    from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
 
     untrained = write_tiny_drafter(tiny_targets["qwen3"], tmp_path_factory.mktemp("untrained") / "d")
     drafter = load_drafter(untrained)
     target = load_target(tiny_targets["qwen3"], drafter.config.target_layer_ids)
     prompts = torch.randint(1, 90, (64, 16), generator=torch.Generator().manual_seed(0))
-    train_drafter(drafter, target, generate_responses(target, prompts, 64), TrainSettings(steps=300))
+    sequences = generate_responses(target, prompts, 64)
+    train_drafter(drafter, target, make_examples(target, list(sequences), [1] * len(sequences)), TrainSettings(steps=300))
     output = tmp_path_factory.mktemp("trained") / "d"
     config = json.loads((untrained / "config.json").read_text())
     save_drafter(drafter, config, output)

@@ -1,0 +1,143 @@
+"""dflash-train: train a DFlash drafter for a target on the target's own responses (CPU or GPU, same code).
+
+1. prompts (standard-library functions + generic instructions, disjoint from HumanEval/MT-Bench) -> chat template
+2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data.pt)
+3. train with many random anchors per sequence, position-weighted CE               (resumable: OUTPUT/checkpoint.pt)
+4. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config, parse_target_config, read_config_json
+from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
+from dflash_trt.builder.models import resolve_checkpoint
+from dflash_trt.builder.networks import DrafterNetwork, load_target
+from dflash_trt.builder.train_data import stdlib_prompts
+from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
+from dflash_trt.runtime.prompts import encode_prompt
+from transformers import AutoTokenizer
+
+GENERATION_BATCH = 16
+
+
+def log(message: str) -> None:
+    print(f"[dflash-train] {message}", file=sys.stderr, flush=True)
+
+
+def generate_data(target_dir: Path, prompts: list[str], max_new_tokens: int) -> dict[str, list]:
+    """The target's greedy responses, prompts batched by equal token length."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = load_target(target_dir, dtype=torch.float32)
+    by_length: dict[int, list[list[int]]] = defaultdict(list)
+    for text in prompts:
+        ids = encode_prompt(tokenizer, text)
+        by_length[len(ids)].append(ids)
+    sequences, prompt_lengths = [], []
+    began, done = time.perf_counter(), 0
+    for length, group in sorted(by_length.items()):
+        for start in range(0, len(group), GENERATION_BATCH):
+            batch = torch.tensor(group[start : start + GENERATION_BATCH])
+            for row in generate_responses(target, batch, max_new_tokens):
+                sequences.append(row)
+                prompt_lengths.append(length)
+            done += batch.shape[0]
+            rate = done * max_new_tokens / (time.perf_counter() - began)
+            log(f"generated {done}/{len(prompts)} responses ({rate:.0f} tok/s)")
+    return {"sequences": sequences, "prompt_lengths": prompt_lengths}
+
+
+def save_checkpoint(path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, step: int) -> None:
+    partial = path.with_suffix(".partial")
+    torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, partial)
+    os.replace(partial, path)  # a checkpoint is whole or absent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", required=True, help="target checkpoint dir, hub id, or 'smollm2-135m'")
+    parser.add_argument("--output", required=True, type=Path)
+    parser.add_argument("--layers", type=int, default=2, help="drafter layers (and tap layers)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=0, help="0: all built-in prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--sequences-per-step", type=int, default=4)
+    parser.add_argument("--anchors", type=int, default=16, help="random blocks per sequence and step")
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="dtype of the written drafter")
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    try:
+        target_dir = resolve_checkpoint(args.target)
+        target_config = parse_target_config(read_config_json(target_dir))
+    except CheckpointError as error:
+        print(f"dflash-train: error: {error}", file=sys.stderr)
+        return 2
+    args.output.mkdir(parents=True, exist_ok=True)
+
+    data_path = args.output / "data.pt"
+    if data_path.is_file():
+        data = torch.load(data_path)
+        log(f"reusing {len(data['sequences'])} generated responses from {data_path}")
+    else:
+        prompts = stdlib_prompts()[: args.num_prompts or None]
+        log(f"the target answers {len(prompts)} prompts ({args.max_new_tokens} tokens each) ...")
+        data = generate_data(target_dir, prompts, args.max_new_tokens)
+        torch.save(data, data_path)
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = drafter_config_dict(
+        target_config, args.layers, args.block_size, choose_mask_token_id(target_config.vocab_size, tokenizer)
+    )
+    drafter = init_drafter(config, seed=args.seed)
+    target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
+    log("tapping the target over every training sequence ...")
+    examples = make_examples(target, data["sequences"], data["prompt_lengths"])
+    settings = TrainSettings(args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed)
+
+    checkpoint_path = args.output / "checkpoint.pt"
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    start = 0
+    if checkpoint_path.is_file():
+        state = torch.load(checkpoint_path)
+        drafter.load_state_dict(state["drafter"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = int(state["step"])
+        log(f"resuming at step {start}")
+    began = time.perf_counter()
+    history: list[tuple[float, float]] = []
+
+    def on_step(step: int, loss: float, accuracy: float) -> None:
+        history.append((loss, accuracy))
+        done = step + 1
+        if done % 10 == 0 or done == args.steps:
+            recent = history[-10:]
+            per_step = (time.perf_counter() - began) / len(history)
+            log(
+                f"step {done}/{args.steps}  loss {sum(r[0] for r in recent) / len(recent):.3f}  "
+                f"slot-1 acc {sum(r[1] for r in recent) / len(recent):.2f}  ETA {per_step * (args.steps - done) / 60:.1f} min"
+            )
+        if done % args.save_every == 0:
+            save_checkpoint(checkpoint_path, drafter, optimizer, done)
+
+    train_drafter(drafter, target, examples, settings, on_step, start, optimizer)
+    save_checkpoint(checkpoint_path, drafter, optimizer, args.steps)
+    save_drafter(drafter, config, args.output, getattr(torch, args.dtype))
+    log(f"drafter written to {args.output} ({time.perf_counter() - began:.0f} s of training)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""Training prompts disjoint from HumanEval and MT-Bench: Python standard-library functions and generic instructions.
+
+Each public, documented function of a set of standard modules becomes "write this function" from its signature
+and the first paragraph of its docstring; a fixed list of generic instructions adds non-code turns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+STDLIB_MODULES = (
+    "bisect", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "functools", "glob", "hashlib", "heapq",
+    "html", "itertools", "json", "keyword", "math", "operator", "os.path", "pathlib", "pprint", "random", "re",
+    "shlex", "shutil", "statistics", "string", "textwrap", "urllib.parse", "uuid", "zlib", "base64", "binascii",
+    "collections", "copy", "csv", "datetime", "decimal", "ipaddress", "locale", "posixpath", "secrets", "struct",
+)  # fmt: skip
+GENERIC_INSTRUCTIONS = (
+    "Explain what a Python generator is, with a short example.",
+    "Write a Python function that counts the words in a text file.",
+    "What is the difference between a process and a thread?",
+    "Write a Python function that flattens a nested list.",
+    "Give a short example of reading a CSV file with the csv module.",
+    "Write a Python function that removes duplicate items from a list while keeping their order.",
+    "Explain list comprehensions in Python with two examples.",
+    "Write a Python function that converts a Roman numeral to an integer.",
+    "Write a Python function that checks whether two strings are anagrams.",
+    "Explain the difference between == and is in Python.",
+    "Write a Python function that returns the most common character in a string.",
+    "Write a Python class that represents a 2D vector with addition and length.",
+    "Write a Python function that computes the running average of a list of numbers.",
+    "Describe how a hash table works in a few sentences.",
+    "Write a Python function that splits a list into chunks of size n.",
+    "Write a Python function that validates an email address with a regular expression.",
+)  # fmt: skip
+
+
+def _describe(name: str, function: object) -> str | None:
+    doc = inspect.getdoc(function)
+    if not doc or name.startswith("_"):
+        return None
+    try:
+        signature = str(inspect.signature(function))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+    if len(summary) < 20:
+        return None
+    return f"Write a Python function `{name}{signature}`: {summary}"
+
+
+def stdlib_prompts() -> list[str]:
+    """Deterministic list of prompts (module order, then name order), generic instructions first."""
+    prompts = list(GENERIC_INSTRUCTIONS)
+    for module_name in STDLIB_MODULES:
+        module = importlib.import_module(module_name)
+        for name, member in sorted(vars(module).items()):
+            if inspect.isfunction(member) or inspect.isbuiltin(member):
+                prompt = _describe(name, member)
+                if prompt and prompt not in prompts:
+                    prompts.append(prompt)
+    return prompts

@@ -11,12 +11,11 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
 import torch
-from dflash_trt.builder.graphs import GRAPH_ENTRIES, DFlashGraphs
+from dflash_trt.builder.graphs import GRAPHS, DFlashGraphs, graph_module, graph_outputs
 from dflash_trt.plugins import block_denoise, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
 from torch.export import Dim
@@ -24,40 +23,6 @@ from torch.export import Dim
 WEIGHTS_FILE = "weights.bin"
 INLINE_BYTES = 1024  # smaller tensors stay inside the graph
 ALIGNMENT = 4096
-
-
-@dataclass(frozen=True)
-class GraphSignature:
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-
-
-SIGNATURES = {
-    "prefill": GraphSignature(
-        ("input_ids", "uniforms", "temperature", "top_k", "top_p", "candidate_slots"),
-        ("first_token", "next_block", "k", "v", "ctx_k", "ctx_v"),
-    ),
-    "step": GraphSignature(
-        (
-            "block",
-            "start",
-            "uniforms",
-            "temperature",
-            "top_k",
-            "top_p",
-            "candidate_slots",
-            "past_k",
-            "past_v",
-            "past_ctx_k",
-            "past_ctx_v",
-        ),
-        ("target_tokens", "accept_len", "next_block", "next_start", "k", "v", "ctx_k", "ctx_v"),
-    ),
-    "decode": GraphSignature(
-        ("token", "position", "uniforms", "temperature", "top_k", "top_p", "candidate_slots", "past_k", "past_v"),
-        ("next_token", "k", "v"),
-    ),
-}
 
 
 def example_inputs(graphs: DFlashGraphs, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
@@ -90,16 +55,15 @@ def example_inputs(graphs: DFlashGraphs, name: str) -> tuple[tuple[torch.Tensor,
 def export_graph(graphs: DFlashGraphs, name: str) -> onnx.ModelProto:
     """Trace one fused graph to ONNX (opset 20 + the dflash domain) and attach the dflash function bodies."""
     inputs, axes = example_inputs(graphs, name)
-    signature = SIGNATURES[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter
         program = torch.onnx.export(
-            GRAPH_ENTRIES[name](graphs).eval(),
+            graph_module(graphs, name),
             inputs,
             dynamo=True,
             opset_version=ONNX_OPSET,
             dynamic_shapes=axes,
-            output_names=list(signature.outputs),
+            output_names=list(graph_outputs(name)),
             verbose=False,
         )
     assert program is not None
@@ -165,7 +129,7 @@ def export_engines_onnx(graphs: DFlashGraphs, directory: Path, log: Callable[[st
     """Export prefill, step and decode into `directory` (which must exist); returns the graph paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
     models = {}
-    for name in SIGNATURES:
+    for name in GRAPHS:
         began = time.perf_counter()
         say(f"[dflash-build] exporting the {name} graph to ONNX ...")
         models[name] = export_graph(graphs, name)

@@ -12,6 +12,7 @@ Every graph runs eagerly as the torch reference engine and exports to ONNX uncha
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -109,9 +110,9 @@ class DFlashGraphs(nn.Module):
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, S, Hkv, D]
         next_start = start + accept_len + 1
         bonus = target_tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
-        rows_k = torch.stack([write_rows(p, r, positions) for p, r in zip(past_ctx_k, ctx_k, strict=True)])
-        rows_v = torch.stack([write_rows(p, r, positions) for p, r in zip(past_ctx_v, ctx_v, strict=True)])
-        next_block = self.draft_block(bonus, next_start, rows_k, rows_v)
+        next_block = self.draft_block(
+            bonus, next_start, write_rows(past_ctx_k, ctx_k, positions), write_rows(past_ctx_v, ctx_v, positions)
+        )
         return StepOutput(target_tokens, accept_len, next_block, next_start, out.k, out.v, ctx_k, ctx_v)
 
     def decode(
@@ -139,70 +140,36 @@ class DFlashGraphs(nn.Module):
         return empty, empty
 
 
-class PrefillGraph(nn.Module):
-    """Export entry of DFlashGraphs.prefill; parameter names become the ONNX input names."""
+class PrefillGraph(DFlashGraphs):
+    """Export entry: forward is `prefill` (its parameter names become the ONNX input names)."""
 
-    def __init__(self, graphs: DFlashGraphs) -> None:
-        super().__init__()
-        self.graphs = graphs
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        uniforms: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        candidate_slots: torch.Tensor,
-    ) -> PrefillOutput:
-        return self.graphs.prefill(input_ids, uniforms, temperature, top_k, top_p, candidate_slots)
+    forward = DFlashGraphs.prefill
 
 
-class StepGraph(nn.Module):
-    """Export entry of DFlashGraphs.step."""
-
-    def __init__(self, graphs: DFlashGraphs) -> None:
-        super().__init__()
-        self.graphs = graphs
-
-    def forward(
-        self,
-        block: torch.Tensor,
-        start: torch.Tensor,
-        uniforms: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        candidate_slots: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
-        past_ctx_k: torch.Tensor,
-        past_ctx_v: torch.Tensor,
-    ) -> StepOutput:
-        sampling = (temperature, top_k, top_p, candidate_slots)
-        return self.graphs.step(block, start, uniforms, *sampling, past_k, past_v, past_ctx_k, past_ctx_v)
+class StepGraph(DFlashGraphs):
+    forward = DFlashGraphs.step
 
 
-class DecodeGraph(nn.Module):
-    """Export entry of DFlashGraphs.decode."""
-
-    def __init__(self, graphs: DFlashGraphs) -> None:
-        super().__init__()
-        self.graphs = graphs
-
-    def forward(
-        self,
-        token: torch.Tensor,
-        position: torch.Tensor,
-        uniforms: torch.Tensor,
-        temperature: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
-        candidate_slots: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
-    ) -> DecodeOutput:
-        return self.graphs.decode(token, position, uniforms, temperature, top_k, top_p, candidate_slots, past_k, past_v)
+class DecodeGraph(DFlashGraphs):
+    forward = DFlashGraphs.decode
 
 
-GRAPH_ENTRIES: dict[str, type[nn.Module]] = {"prefill": PrefillGraph, "step": StepGraph, "decode": DecodeGraph}
+GRAPHS: dict[str, tuple[type[DFlashGraphs], type[tuple]]] = {
+    "prefill": (PrefillGraph, PrefillOutput),
+    "step": (StepGraph, StepOutput),
+    "decode": (DecodeGraph, DecodeOutput),
+}
+
+
+def graph_inputs(name: str) -> tuple[str, ...]:
+    """Input names of a graph: the parameters of its DFlashGraphs method."""
+    return tuple(inspect.signature(getattr(DFlashGraphs, name)).parameters)[1:]  # without self
+
+
+def graph_outputs(name: str) -> tuple[str, ...]:
+    return tuple(GRAPHS[name][1]._fields)  # type: ignore[attr-defined]
+
+
+def graph_module(graphs: DFlashGraphs, name: str) -> DFlashGraphs:
+    """The same target and drafter behind one graph's forward, for export."""
+    return GRAPHS[name][0](graphs.target, graphs.drafter, graphs.block_size).eval()

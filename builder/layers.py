@@ -94,9 +94,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
 
 
 def write_rows(past: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Position-indexed rows after a write: past [B, T, ...] (row t = position t), rows [B, S, ...] at positions
-    [B, S] (each < T + S) -> [B, T + S, ...] with rows[b, j] at row positions[b, j]. Functional: the caller's
-    static cache gets the same rows written separately, so nothing is copied back."""
-    buffer = torch.cat([past, torch.zeros_like(rows)], dim=1)
-    index = positions.reshape(*positions.shape, *([1] * (rows.dim() - 2))).expand_as(rows)
-    return buffer.scatter(1, index, rows)
+    """Position-indexed rows after a write: past [..., B, T, H, D] (row t = position t), rows [..., B, S, H, D] at
+    positions [B, S] (each < T + S) -> [..., B, T + S, H, D] with rows[..., b, j] at row positions[b, j].
+    Functional: the caller's static cache gets the same rows written separately, so nothing is copied back."""
+    buffer = torch.cat([past, torch.zeros_like(rows)], dim=-3)
+    index = positions[:, :, None, None].expand_as(rows)
+    return buffer.scatter(-3, index, rows)

@@ -58,15 +58,11 @@ class KVCache:
         """The first `rows` positions of every layer: ([L, B, rows, Hkv, D], same)."""
         return self.k[:, :, :rows], self.v[:, :, :rows]
 
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int | None = None) -> None:
-        """positions: [B, S]; k, v: [B, S, Hkv, D] for one layer, or [L, B, S, Hkv, D] for all (layer=None)."""
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows in place: positions [B, S]; k, v: [L, B, S, Hkv, D]."""
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
-        if layer is None:
-            self.k[:, rows, positions] = k.to(self.k.dtype)
-            self.v[:, rows, positions] = v.to(self.v.dtype)
-        else:
-            self.k[layer, rows, positions] = k.to(self.k.dtype)
-            self.v[layer, rows, positions] = v.to(self.v.dtype)
+        self.k[:, rows, positions] = k.to(self.k.dtype)
+        self.v[:, rows, positions] = v.to(self.v.dtype)
 
 
 class TargetOutput(NamedTuple):

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import onnx
-from dflash_trt.builder.export import SIGNATURES
+from dflash_trt.builder.graphs import graph_inputs
 from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION
 
 try:
@@ -62,7 +62,7 @@ def plugin_ready_onnx(onnx_path: Path, output_path: Path) -> None:
     onnx.save(model, str(output_path))  # external data keeps pointing at the shared weights file
 
 
-def input_ranges(name: str, max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int) -> dict[str, tuple[str, ...]]:
+def input_ranges(name: str) -> dict[str, tuple[str, ...]]:
     """Which axes of each input are dynamic: map input -> axis names, in the order of the input's dims."""
     batch, prompt, rows, cands = "batch", "prompt", "rows", "candidates"
     axes: dict[str, dict[str, tuple[str, ...]]] = {
@@ -71,7 +71,7 @@ def input_ranges(name: str, max_batch: int, max_seq_len: int, cache_slots: int, 
         "decode": {"token": (batch,), "position": (batch,), "uniforms": (batch, "1")},
     }
     shared = {"temperature": (batch,), "top_k": (batch,), "top_p": (batch,), "candidate_slots": (cands,)}
-    caches = {key: ("L", batch, rows, "H", "D") for key in SIGNATURES[name].inputs if key.startswith("past_")}
+    caches = {key: ("L", batch, rows, "H", "D") for key in graph_inputs(name) if key.startswith("past_")}
     return {**axes[name], **shared, **caches}
 
 
@@ -123,7 +123,7 @@ def build_plan(
     config.progress_monitor = _progress_monitor(f"[dflash-build] tensorrt {name}:")
     profile = builder.create_optimization_profile()
     bounds = axis_bounds(max_batch, max_seq_len, cache_slots, vocab_size)
-    ranges = input_ranges(name, max_batch, max_seq_len, cache_slots, vocab_size)
+    ranges = input_ranges(name)
     for index in range(network.num_inputs):
         tensor = network.get_input(index)
         shape = tensor.shape

@@ -71,12 +71,11 @@ def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: in
         ids = torch.tensor([prompt])
         with torch.inference_mode():
             began = time.perf_counter()
-            first = model.generate(ids, max_new_tokens=1, do_sample=False)
+            model.generate(ids, max_new_tokens=1, do_sample=False)  # time to first token
             ttft = time.perf_counter() - began
             began = time.perf_counter()
             out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
             total = time.perf_counter() - began
-        del first
         rates.append((max_tokens - 1) / max(total - ttft, 1e-9))  # decode rate, prefill excluded as for the engine
         outputs.append(out[0, len(prompt) :].tolist())
     return rates, outputs

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import torch
-from dflash_trt.builder.export import SIGNATURES
-from dflash_trt.builder.graphs import DecodeOutput, PrefillOutput, StepOutput
+from dflash_trt.builder.graphs import GRAPHS, DecodeOutput, PrefillOutput, StepOutput, graph_inputs
 
 
 @dataclass(frozen=True)
@@ -42,11 +41,11 @@ class OnnxRuntimeRunner:
         options = settings.options()
         self.sessions = {
             name: ort.InferenceSession(str(directory / f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
-            for name in SIGNATURES
+            for name in GRAPHS
         }
 
     def _run(self, name: str, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-        feeds = {key: tensor.contiguous().numpy() for key, tensor in zip(SIGNATURES[name].inputs, inputs, strict=True)}
+        feeds = {key: tensor.contiguous().numpy() for key, tensor in zip(graph_inputs(name), inputs, strict=True)}
         return [torch.from_numpy(output) for output in self.sessions[name].run(None, feeds)]
 
     def prefill(self, *inputs: torch.Tensor) -> PrefillOutput:

@@ -80,7 +80,6 @@ def sample_tokens(
     inverse CDF in vocabulary order (no sort). Rows with top-k/top-p sample among the K best candidates,
     K = len(candidate_slots) (the host makes K = V when top-p is in use): top-k then top-p, as HF's warpers.
     """
-    vocab = logits.shape[-1]
     greedy_tokens = logits.argmax(dim=-1)  # [B, S]
     tempered = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scores = logits.float() / tempered[:, None, None]  # [B, S, V]
@@ -93,7 +92,7 @@ def sample_tokens(
     probs = torch.where(mass_before < top_p[:, None, None], probs, torch.zeros_like(probs))
     filtered = order.gather(-1, _inverse_cdf(probs, uniforms)[..., None])[..., 0]
     use_filter = ((top_k > 0) | (top_p < 1))[:, None]
-    sampled = torch.where(use_filter, filtered, whole.clamp(max=vocab - 1))
+    sampled = torch.where(use_filter, filtered, whole)
     return torch.where((temperature > 0)[:, None], sampled, greedy_tokens)
 
 

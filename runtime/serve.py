@@ -94,7 +94,7 @@ def start_server(repo: Path, ports: Ports, log_path: Path | None = None) -> subp
         f"--grpc-port={ports.grpc}", f"--http-port={ports.http}", f"--metrics-port={ports.metrics}",
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true", "--log-verbose=0",
     ]  # fmt: skip
-    output = open(log_path, "wb") if log_path else None  # noqa: SIM115 - owned by the child process
+    output = open(log_path, "wb") if log_path else None  # the child process owns it
     return subprocess.Popen(
         command, env={**os.environ, **triton.env}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
     )

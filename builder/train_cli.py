@@ -12,7 +12,6 @@ import argparse
 import os
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -25,33 +24,24 @@ from dflash_trt.builder.training import TrainSettings, generate_responses, make_
 from dflash_trt.runtime.prompts import encode_prompt
 from transformers import AutoTokenizer
 
-GENERATION_BATCH = 16
-
 
 def log(message: str) -> None:
     print(f"[dflash-train] {message}", file=sys.stderr, flush=True)
 
 
-def generate_data(target_dir: Path, prompts: list[str], max_new_tokens: int) -> dict[str, list]:
-    """The target's greedy responses, prompts batched by equal token length."""
+def generate_data(target_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int) -> dict[str, list]:
+    """The target's greedy responses; prompts sorted by token length and batched (see generate_responses)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = load_target(target_dir, dtype=torch.float32)
-    by_length: dict[int, list[list[int]]] = defaultdict(list)
-    for text in prompts:
-        ids = encode_prompt(tokenizer, text)
-        by_length[len(ids)].append(ids)
-    sequences, prompt_lengths = [], []
-    began, done = time.perf_counter(), 0
-    for length, group in sorted(by_length.items()):
-        for start in range(0, len(group), GENERATION_BATCH):
-            batch = torch.tensor(group[start : start + GENERATION_BATCH])
-            for row in generate_responses(target, batch, max_new_tokens):
-                sequences.append(row)
-                prompt_lengths.append(length)
-            done += batch.shape[0]
-            rate = done * max_new_tokens / (time.perf_counter() - began)
-            log(f"generated {done}/{len(prompts)} responses ({rate:.0f} tok/s)")
-    return {"sequences": sequences, "prompt_lengths": prompt_lengths}
+    encoded = sorted((encode_prompt(tokenizer, text) for text in prompts), key=len)
+    sequences: list[torch.Tensor] = []
+    began = time.perf_counter()
+    for first in range(0, len(encoded), batch_size):
+        batch = encoded[first : first + batch_size]
+        sequences.extend(generate_responses(target, batch, max_new_tokens))
+        rate = len(sequences) * max_new_tokens / (time.perf_counter() - began)
+        log(f"generated {len(sequences)}/{len(encoded)} responses ({rate:.0f} response tok/s)")
+    return {"sequences": sequences, "prompt_lengths": [len(ids) for ids in encoded]}
 
 
 def save_checkpoint(path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -66,16 +56,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--target", required=True, help="target checkpoint dir, hub id, or 'smollm2-135m'")
     parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--layers", type=int, default=2, help="drafter layers (and tap layers)")
+    parser.add_argument("--layers", type=int, default=2, help="drafter layers")
+    parser.add_argument("--taps", type=int, default=0, help="target layers tapped (0: as many as drafter layers)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-prompts", type=int, default=0, help="0: all built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--generation-batch", type=int, default=32, help="prompts answered together")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--sequences-per-step", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=16, help="random blocks per sequence and step")
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+        help="autocast dtype of the training forward/backward (weights and optimizer stay float32)",
+    )  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="dtype of the written drafter")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -94,18 +90,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = stdlib_prompts()[: args.num_prompts or None]
         log(f"the target answers {len(prompts)} prompts ({args.max_new_tokens} tokens each) ...")
-        data = generate_data(target_dir, prompts, args.max_new_tokens)
+        data = generate_data(target_dir, prompts, args.max_new_tokens, args.generation_batch)
         torch.save(data, data_path)
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = drafter_config_dict(
-        target_config, args.layers, args.block_size, choose_mask_token_id(target_config.vocab_size, tokenizer)
+        target_config, args.layers, args.block_size, choose_mask_token_id(target_config.vocab_size, tokenizer), args.taps or None
     )
     drafter = init_drafter(config, seed=args.seed)
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
     log("tapping the target over every training sequence ...")
     examples = make_examples(target, data["sequences"], data["prompt_lengths"])
-    settings = TrainSettings(args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed)
+    settings = TrainSettings(
+        args.steps, args.learning_rate, args.sequences_per_step, args.anchors,
+        seed=args.seed, compute_dtype=getattr(torch, args.compute_dtype),
+    )  # fmt: skip
 
     checkpoint_path = args.output / "checkpoint.pt"
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.learning_rate, weight_decay=0.0)

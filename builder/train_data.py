@@ -35,18 +35,26 @@ GENERIC_INSTRUCTIONS = (
 )  # fmt: skip
 
 
-def _describe(name: str, function: object) -> str | None:
+CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{stub}\n```"
+
+
+def _function_prompts(name: str, function: object) -> list[str]:
+    """Two prompts per documented public function: a one-line instruction, and a stub with its docstring as a
+    code task (the z-lab benchmark's user-turn wording around standard-library content)."""
     doc = inspect.getdoc(function)
     if not doc or name.startswith("_"):
-        return None
+        return []
     try:
         signature = str(inspect.signature(function))  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        return None
-    summary = doc.split("\n\n")[0].replace("\n", " ").strip()
+        return []
+    paragraphs = doc.split("\n\n")
+    summary = paragraphs[0].replace("\n", " ").strip()
     if len(summary) < 20:
-        return None
-    return f"Write a Python function `{name}{signature}`: {summary}"
+        return []
+    docstring = "\n\n".join(paragraphs[:2]).replace('"""', "'''").replace("\n", "\n    ")
+    stub = f'def {name}{signature}:\n    """{docstring}\n    """\n'
+    return [f"Write a Python function `{name}{signature}`: {summary}", CODE_TASK.format(stub=stub)]
 
 
 def stdlib_prompts() -> list[str]:
@@ -56,7 +64,5 @@ def stdlib_prompts() -> list[str]:
         module = importlib.import_module(module_name)
         for name, member in sorted(vars(module).items()):
             if inspect.isfunction(member) or inspect.isbuiltin(member):
-                prompt = _describe(name, member)
-                if prompt and prompt not in prompts:
-                    prompts.append(prompt)
+                prompts.extend(p for p in _function_prompts(name, member) if p not in prompts)
     return prompts

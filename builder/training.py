@@ -32,28 +32,36 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 @torch.no_grad()
 def generate_responses(
-    target: TargetNetwork, prompts: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
-) -> torch.Tensor:
-    """The target's own continuations, batched: prompts [N, P] (same length) -> sequences [N, P+M]."""
+    target: TargetNetwork, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> list[torch.Tensor]:
+    """The target's own continuations of a batch of prompts of any lengths -> [len(prompt) + max_new_tokens] each.
+
+    All rows step through the same positions: the shortest prompt is prefilled for everyone, then each row is
+    fed its own prompt tokens (teacher-forced) until its prompt ends and its own predictions after that. Sort
+    prompts by length before batching them so little work is spent past a row's last needed position.
+    """
     generator = torch.Generator().manual_seed(seed)
-    batch, length = prompts.shape
-    cache = target.allocate_cache(batch, length + max_new_tokens)
-    positions = torch.arange(length).expand(batch, -1)
-    out = target(prompts, positions, *cache.past(0), logits_to_keep=1)
+    lengths = torch.tensor([len(p) for p in prompts])  # [N]
+    start, end = int(lengths.min()), int(lengths.max()) + max_new_tokens
+    tokens = torch.zeros((len(prompts), end), dtype=torch.long)  # [N, end]
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt)
+    cache = target.allocate_cache(len(prompts), end)
+    positions = torch.arange(start).expand(len(prompts), -1)
+    out = target(tokens[:, :start], positions, *cache.past(0), logits_to_keep=1)
     cache.write(positions, out.k, out.v)
-    logits = out.logits
-    sequences = [prompts]
-    for position in range(length, length + max_new_tokens):
+    for position in range(start, end):
+        logits = out.logits[:, -1].float()  # [N, V]: the prediction for this position
         if temperature > 0:
-            token = torch.multinomial(torch.softmax(logits[:, -1].float() / temperature, -1), 1, generator=generator)
+            predicted = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
         else:
-            token = logits[:, -1].argmax(-1, keepdim=True)  # [N, 1]
-        sequences.append(token)
-        if position + 1 < length + max_new_tokens:
-            out = target(token, torch.full((batch, 1), position), *cache.past(position), logits_to_keep=1)
-            cache.write(torch.full((batch, 1), position), out.k, out.v)
-            logits = out.logits
-    return torch.cat(sequences, dim=1)
+            predicted = logits.argmax(-1)
+        tokens[:, position] = torch.where(position < lengths, tokens[:, position], predicted)  # prompt rows stay forced
+        if position + 1 < end:
+            step_positions = torch.full((len(prompts), 1), position)
+            out = target(tokens[:, position : position + 1], step_positions, *cache.past(position), logits_to_keep=1)
+            cache.write(step_positions, out.k, out.v)
+    return [tokens[row, : length + max_new_tokens].clone() for row, length in enumerate(lengths.tolist())]
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,22 @@ class TrainingExample:
 
 
 @torch.no_grad()
-def make_examples(target: TargetNetwork, sequences: list[torch.Tensor], prompt_lengths: list[int]) -> list[TrainingExample]:
-    """Tap every position of each sequence (one target forward per sequence)."""
+def make_examples(
+    target: TargetNetwork, sequences: list[torch.Tensor], prompt_lengths: list[int], batch_size: int = 8
+) -> list[TrainingExample]:
+    """Tap every position of each sequence; sequences go through the target in right-padded batches (causal
+    attention: padding after a sequence cannot change its taps)."""
     examples = []
-    for tokens, prompt_length in zip(sequences, prompt_lengths, strict=True):
-        length = tokens.shape[0]
-        out = target(tokens[None], torch.arange(length)[None], *target.allocate_cache(1, 0).past(0), logits_to_keep=1)
-        examples.append(TrainingExample(tokens, out.taps[0].clone(), prompt_length))
+    for first in range(0, len(sequences), batch_size):
+        batch = sequences[first : first + batch_size]
+        longest = max(s.shape[0] for s in batch)
+        ids = torch.zeros((len(batch), longest), dtype=torch.long)  # [b, longest]
+        for row, tokens in enumerate(batch):
+            ids[row, : tokens.shape[0]] = tokens
+        positions = torch.arange(longest).expand(len(batch), -1)
+        taps = target(ids, positions, *target.allocate_cache(len(batch), 0).past(0), logits_to_keep=1).taps  # [b, longest, n*E]
+        for row, tokens in enumerate(batch):
+            examples.append(TrainingExample(tokens, taps[row, : tokens.shape[0]].clone(), prompt_lengths[first + row]))
     return examples
 
 
@@ -126,6 +143,7 @@ class TrainSettings:
     gamma: float | None = None
     warmup_steps: int = 20
     seed: int = 0
+    compute_dtype: torch.dtype = torch.bfloat16  # autocast for forward/backward; master weights stay float32
 
 
 def train_drafter(
@@ -152,13 +170,17 @@ def train_drafter(
         for group in optimizer.param_groups:
             group["lr"] = _cosine_lr(step, settings)
         chosen = [usable[i] for i in torch.randint(0, len(usable), (settings.sequences_per_step,), generator=generator).tolist()]
-        terms = [
-            dflash_block_loss(
-                drafter, target, e.tokens, e.taps,
-                sample_anchors(generator, e.tokens.shape[0], size, settings.anchors_per_sequence, e.first_anchor), weights,
-            )
-            for e in chosen
-        ]  # fmt: skip
+        autocast = torch.autocast(
+            chosen[0].taps.device.type, dtype=settings.compute_dtype, enabled=settings.compute_dtype != torch.float32
+        )
+        with autocast:
+            terms = [
+                dflash_block_loss(
+                    drafter, target, e.tokens, e.taps,
+                    sample_anchors(generator, e.tokens.shape[0], size, settings.anchors_per_sequence, e.first_anchor), weights,
+                )
+                for e in chosen
+            ]  # fmt: skip
         loss = torch.stack([t.loss for t in terms]).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -10,8 +10,11 @@ visible iff key <= query (causal) and query - key < window (and, if not causal, 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from dflash_trt.builder.layers import masked_attention
 from dflash_trt.plugins.onnx_domain import DFLASH, op
+from dflash_trt.plugins.triton_launch import launch, upcast_dots
 from onnxscript import script
 
 NEG_INF = float("-inf")
@@ -107,3 +110,117 @@ def BlockDenoise(q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions, ca
 
 
 ONNX_FUNCTIONS = (BlockDenoise,)
+
+KERNEL_INPUTS = ("q", "block_k", "block_v", "ctx_k", "ctx_v", "ctx_len", "block_positions")
+KERNEL_SCALARS = ("ctx_slots",)
+KERNEL_OUTPUTS = ("out",)
+MIN_DOT = 16  # tl.dot needs >= 16 along every axis
+
+
+@triton.jit
+def block_denoise_kernel(
+    q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions,  # inputs (TensorRT AOT order)
+    ctx_slots,  # T, the only runtime size besides the grid
+    out,  # output [B, S, H*D]
+    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence b, query head h): the S block queries over [valid context rows ; block rows].
+
+    q [B, S, H, D]; block_k/v [B, S, Hkv, D]; ctx_k/v [B, T, Hkv, D]; ctx_len [B]; block_positions [B, S].
+    One online-softmax loop walks the context in BLOCK_N chunks up to ctx_len (stale rows are never read;
+    with a window, chunks left of it are skipped) and then one more chunk holding the block's own keys.
+    """
+    b, h = tl.program_id(0), tl.program_id(1)
+    kv_head = h // (HEADS // KV_HEADS)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < BLOCK_SIZE
+    offs_d = tl.arange(0, HEAD_DIM)
+    query = tl.load(
+        q + ((b * BLOCK_SIZE + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
+    )
+    q_pos = tl.load(block_positions + b * BLOCK_SIZE + offs_s, mask=s_ok, other=0)  # [S]
+    valid_ctx = tl.minimum(tl.load(ctx_len + b), ctx_slots)
+    ctx_end = tl.cdiv(valid_ctx, BLOCK_N) * BLOCK_N  # the block's keys occupy the chunk after the context
+    first = 0
+    if WINDOW > 0:  # skip chunks wholly left of every query's window
+        lowest_query = tl.min(tl.where(s_ok, q_pos, 2**62), axis=0)
+        first = tl.minimum(tl.maximum(lowest_query - WINDOW + 1, 0) // BLOCK_N * BLOCK_N, ctx_end)
+    m_i = tl.full((BLOCK_S,), -1.0e30, tl.float32)
+    l_i = tl.zeros((BLOCK_S,), tl.float32)
+    acc = tl.zeros((BLOCK_S, HEAD_DIM), tl.float32)
+    for n0 in range(first, ctx_end + BLOCK_N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_ctx = offs_n < valid_ctx
+        slot = offs_n - ctx_end  # index into the block for the final chunk
+        in_block = (slot >= 0) & (slot < BLOCK_SIZE)
+        ctx_rows = ((b * ctx_slots + offs_n[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+        block_rows = ((b * BLOCK_SIZE + slot[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+        keys = tl.load(ctx_k + ctx_rows, mask=in_ctx[:, None], other=0.0) + tl.load(
+            block_k + block_rows, mask=in_block[:, None], other=0.0
+        )
+        values = tl.load(ctx_v + ctx_rows, mask=in_ctx[:, None], other=0.0) + tl.load(
+            block_v + block_rows, mask=in_block[:, None], other=0.0
+        )
+        k_pos = tl.where(in_block, tl.load(block_positions + b * BLOCK_SIZE + slot, mask=in_block, other=0), offs_n)
+        visible = (in_ctx | in_block)[None, :] & s_ok[:, None]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (q_pos[:, None] - k_pos[None, :] < WINDOW)
+            if not CAUSAL:
+                visible = visible & (k_pos[None, :] - q_pos[:, None] < WINDOW)
+        if UPCAST:
+            scores = tl.dot(query.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(query, tl.trans(keys))
+        scores = tl.where(visible, scores * SCALE, float("-inf"))  # [S, N]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+        m_i = m_new
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows (S < BLOCK_S)
+    destination = ((b * BLOCK_SIZE + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :]
+    tl.store(out + destination, result.to(out.dtype.element_ty), mask=s_ok[:, None])
+
+
+def kernel_constexprs(
+    block_size: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float, upcast: bool,
+    block_n: int = 32,
+) -> dict[str, int | float | bool]:  # fmt: skip
+    if head_dim < MIN_DOT or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim}: the BlockDenoise kernel needs a power of two >= {MIN_DOT}")
+    if heads % kv_heads:
+        raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
+    block_s = max(MIN_DOT, triton.next_power_of_2(block_size))
+    return {
+        "BLOCK_SIZE": block_size, "HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "CAUSAL": causal,
+        "WINDOW": window or 0, "SCALE": scale, "BLOCK_S": block_s, "BLOCK_N": max(block_n, block_s), "UPCAST": upcast,
+    }  # fmt: skip
+
+
+def block_denoise_triton(
+    q: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    ctx_len: torch.Tensor,
+    block_positions: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """The op through its Triton kernel; same arguments and result as `block_denoise`."""
+    batch, size, heads, head_dim = q.shape
+    constexprs = kernel_constexprs(size, heads, block_k.shape[2], head_dim, causal, window, scale, upcast_dots(q))
+    out = torch.empty((batch, size, heads * head_dim), dtype=q.dtype, device=q.device)
+    inputs = [t.contiguous() for t in (q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions)]
+    launch(block_denoise_kernel, (batch, heads), *inputs, ctx_k.shape[1], out, **constexprs)
+    return out

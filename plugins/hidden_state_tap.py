@@ -5,6 +5,11 @@ outputs, concatenated on the feature axis) are fused once per committed token,
 `ctx = hidden_norm(fc(taps))`, and every drafter layer projects the same ctx with its own K/V projections
 (not through input_layernorm): `K = rope(k_norm(k_proj(ctx)))`, `V = v_proj(ctx)`. The result is written into
 the position-indexed draft cache; rows of rejected positions are overwritten by a later step.
+
+The `fc` matmul stays a plain MatMul in front of the node (an engine's GEMM does it best); the op itself takes
+`fused = fc(taps)` and does everything per row and head: the hidden norm, all layers' K/V projections, k_norm
+and RoPE, in one kernel (`hidden_state_tap_kernel`). RMSNorm is a per-row scale, so the kernel projects
+`hidden_norm * fused` and scales each row by 1/rms(fused) afterwards: one pass over the weights.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from dflash_trt.builder.layers import apply_rotary, rms_norm, rotary_cos_sin
 from dflash_trt.plugins.onnx_domain import DFLASH, op
+from dflash_trt.plugins.triton_launch import launch, upcast_dots
 from onnxscript import script
 
 
@@ -52,7 +60,8 @@ def hidden_state_tap(taps: torch.Tensor, positions: torch.Tensor, weights: TapWe
 
 
 def _hidden_state_tap_node(taps: torch.Tensor, positions: torch.Tensor, weights: TapWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Emit one dflash::HiddenStateTap node (export only); per-layer weights are stacked on a leading axis."""
+    """Emit fc as a MatMul and one dflash::HiddenStateTap node (export only); per-layer weights are stacked on a
+    leading axis."""
     if any(b is not None for b in (*weights.k_bias, *weights.v_bias)):
         raise ValueError(
             "dflash::HiddenStateTap has no K/V bias inputs; drafters with attention_bias=true cannot be exported yet"
@@ -60,9 +69,8 @@ def _hidden_state_tap_node(taps: torch.Tensor, positions: torch.Tensor, weights:
     layers, kv_width, head_dim = len(weights.k_proj), weights.k_proj[0].shape[0], weights.k_norm[0].shape[0]
     out_shape = (layers, taps.shape[0], taps.shape[1], kv_width // head_dim, head_dim)
     inputs = (
-        taps,
+        F.linear(taps, weights.fc),  # fused: [B, T, E]
         positions,
-        weights.fc,
         weights.hidden_norm,
         torch.stack(weights.k_proj),
         torch.stack(weights.v_proj),
@@ -90,13 +98,13 @@ def RMSNormLastAxis(x, weight, eps: float):
 
 
 @script(DFLASH, default_opset=op)
-def HiddenStateTap(taps, positions, fc, hidden_norm, k_proj, v_proj, k_norm, inv_freq, eps: float, rope_scaling: float):
+def HiddenStateTap(fused, positions, hidden_norm, k_proj, v_proj, k_norm, inv_freq, eps: float, rope_scaling: float):
     """ONNX body of dflash::HiddenStateTap.
 
-    taps [B, T, n*E], positions [B, T], fc [E, n*E], hidden_norm [E], k_proj/v_proj [L, Hkv*D, E], k_norm [L, D],
+    fused [B, T, E] (= fc(taps)), positions [B, T], hidden_norm [E], k_proj/v_proj [L, Hkv*D, E], k_norm [L, D],
     inv_freq [D/2] -> ctx_k, ctx_v [L, B, T, Hkv, D]
     """
-    ctx = DFLASH.RMSNormLastAxis(op.MatMul(taps, op.Transpose(fc, perm=[1, 0])), hidden_norm, eps=eps)  # [B, T, E]
+    ctx = DFLASH.RMSNormLastAxis(fused, hidden_norm, eps=eps)  # [B, T, E]
     ctx = op.Unsqueeze(ctx, [0])  # [1, B, T, E]
     head_dim = op.Shape(k_norm, start=1, end=2)
     split_heads = op.Concat(op.Constant(value_ints=[0, 0, 0, -1]), head_dim, axis=0)
@@ -114,3 +122,103 @@ def HiddenStateTap(taps, positions, fc, hidden_norm, k_proj, v_proj, k_norm, inv
 
 
 ONNX_FUNCTIONS = (RMSNormLastAxis, HiddenStateTap)
+
+KERNEL_INPUTS = ("fused", "positions", "hidden_norm", "k_proj", "v_proj", "k_norm", "inv_freq")
+KERNEL_SCALARS = ("rows",)
+KERNEL_OUTPUTS = ("ctx_k", "ctx_v")
+BLOCK_ROWS = 16  # tl.dot needs >= 16 rows
+BLOCK_E = 32  # reduction chunk: 4 weight tiles [BLOCK_E, D/2] live at once
+
+
+@triton.jit
+def hidden_state_tap_kernel(
+    fused, positions, hidden_norm, k_proj, v_proj, k_norm, inv_freq,  # inputs (TensorRT AOT order)
+    rows,  # B*T, the only runtime size
+    ctx_k, ctx_v,  # outputs [L, rows, Hkv, D]
+    HIDDEN: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, EPS: tl.constexpr,
+    ROPE_SCALING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program (row block, layer*Hkv + head): K and V of one drafter layer's KV head for BLOCK_T rows.
+
+    fused [rows, E]; positions [rows] int64; hidden_norm [E]; k_proj/v_proj [L, Hkv*D, E]; k_norm [L, D];
+    inv_freq [D/2]. The head's output columns are computed as two halves so RoPE pairs column i with i+D/2.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    row_block, layer_head = tl.program_id(0), tl.program_id(1)
+    layer, head = layer_head // KV_HEADS, layer_head % KV_HEADS
+    offs_t = row_block * BLOCK_T + tl.arange(0, BLOCK_T)  # [T]
+    row_ok = offs_t < rows
+    offs_h = tl.arange(0, HALF)  # [D/2]
+    weight_rows = layer * (KV_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_h  # [D/2]: first-half output columns
+    acc_k1 = tl.zeros((BLOCK_T, HALF), tl.float32)
+    acc_k2 = tl.zeros((BLOCK_T, HALF), tl.float32)
+    acc_v1 = tl.zeros((BLOCK_T, HALF), tl.float32)
+    acc_v2 = tl.zeros((BLOCK_T, HALF), tl.float32)
+    square_sum = tl.zeros((BLOCK_T,), tl.float32)
+    for e0 in range(0, HIDDEN, BLOCK_E):
+        offs_e = e0 + tl.arange(0, BLOCK_E)  # [BE]
+        e_ok = offs_e < HIDDEN
+        x = tl.load(fused + offs_t[:, None] * HIDDEN + offs_e[None, :], mask=row_ok[:, None] & e_ok[None, :], other=0.0)
+        x32 = x.to(tl.float32)  # [T, BE]
+        square_sum += tl.sum(x32 * x32, axis=1)
+        scaled = x32 * tl.load(hidden_norm + offs_e, mask=e_ok, other=0.0).to(tl.float32)[None, :]  # hidden_norm * x
+        w_offsets = weight_rows[None, :] * HIDDEN + offs_e[:, None]  # [BE, D/2]: weight rows transposed
+        wk1 = tl.load(k_proj + w_offsets, mask=e_ok[:, None], other=0.0)
+        wk2 = tl.load(k_proj + w_offsets + HALF * HIDDEN, mask=e_ok[:, None], other=0.0)
+        wv1 = tl.load(v_proj + w_offsets, mask=e_ok[:, None], other=0.0)
+        wv2 = tl.load(v_proj + w_offsets + HALF * HIDDEN, mask=e_ok[:, None], other=0.0)
+        if UPCAST:
+            acc_k1 += tl.dot(scaled, wk1.to(tl.float32), input_precision="ieee")
+            acc_k2 += tl.dot(scaled, wk2.to(tl.float32), input_precision="ieee")
+            acc_v1 += tl.dot(scaled, wv1.to(tl.float32), input_precision="ieee")
+            acc_v2 += tl.dot(scaled, wv2.to(tl.float32), input_precision="ieee")
+        else:
+            a = scaled.to(wk1.dtype)
+            acc_k1 += tl.dot(a, wk1)
+            acc_k2 += tl.dot(a, wk2)
+            acc_v1 += tl.dot(a, wv1)
+            acc_v2 += tl.dot(a, wv2)
+    inv_rms = (1.0 / tl.sqrt(square_sum / HIDDEN + EPS))[:, None]  # [T, 1]: the hidden norm's per-row scale
+    k1, k2 = acc_k1 * inv_rms, acc_k2 * inv_rms
+    v1, v2 = acc_v1 * inv_rms, acc_v2 * inv_rms
+    k_inv_rms = (1.0 / tl.sqrt((tl.sum(k1 * k1, axis=1) + tl.sum(k2 * k2, axis=1)) / HEAD_DIM + EPS))[:, None]
+    k1 = k1 * k_inv_rms * tl.load(k_norm + layer * HEAD_DIM + offs_h).to(tl.float32)[None, :]
+    k2 = k2 * k_inv_rms * tl.load(k_norm + layer * HEAD_DIM + HALF + offs_h).to(tl.float32)[None, :]
+    position = tl.load(positions + offs_t, mask=row_ok, other=0).to(tl.float32)  # [T]
+    angle = position[:, None] * tl.load(inv_freq + offs_h).to(tl.float32)[None, :]  # [T, D/2]
+    cos, sin = tl.cos(angle) * ROPE_SCALING, tl.sin(angle) * ROPE_SCALING
+    out = layer * rows * (KV_HEADS * HEAD_DIM) + offs_t[:, None] * (KV_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_h[None, :]
+    store_ok = row_ok[:, None]
+    tl.store(ctx_k + out, (k1 * cos - k2 * sin).to(ctx_k.dtype.element_ty), mask=store_ok)
+    tl.store(ctx_k + out + HALF, (k2 * cos + k1 * sin).to(ctx_k.dtype.element_ty), mask=store_ok)
+    tl.store(ctx_v + out, v1.to(ctx_v.dtype.element_ty), mask=store_ok)
+    tl.store(ctx_v + out + HALF, v2.to(ctx_v.dtype.element_ty), mask=store_ok)
+
+
+def kernel_constexprs(weights: TapWeights, upcast: bool, block_e: int = BLOCK_E) -> dict[str, int | float | bool]:
+    head_dim = weights.k_norm[0].shape[0]
+    if head_dim < 32 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim}: the HiddenStateTap kernel needs a power of two >= 32")
+    return {
+        "HIDDEN": weights.hidden_norm.shape[0], "KV_HEADS": weights.k_proj[0].shape[0] // head_dim, "HEAD_DIM": head_dim,
+        "EPS": weights.eps, "ROPE_SCALING": weights.rope_scaling, "BLOCK_T": BLOCK_ROWS, "BLOCK_E": block_e, "UPCAST": upcast,
+    }  # fmt: skip
+
+
+def hidden_state_tap_triton(
+    fused: torch.Tensor, positions: torch.Tensor, weights: TapWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op through its Triton kernel: fused [B, T, E] (= fc(taps)), positions [B, T] -> ctx_k, ctx_v [L, B, T, Hkv, D]."""
+    batch, slots, _ = fused.shape
+    constexprs = kernel_constexprs(weights, upcast_dots(fused))
+    layers, kv_heads, head_dim = len(weights.k_proj), int(constexprs["KV_HEADS"]), int(constexprs["HEAD_DIM"])
+    ctx_k = torch.empty((layers, batch, slots, kv_heads, head_dim), dtype=fused.dtype, device=fused.device)
+    ctx_v = torch.empty_like(ctx_k)
+    rows = batch * slots
+    grid = (triton.cdiv(rows, BLOCK_ROWS), layers * kv_heads)
+    inputs = (
+        fused.contiguous(), positions.contiguous(), weights.hidden_norm, torch.stack(weights.k_proj), torch.stack(weights.v_proj),
+        torch.stack(weights.k_norm), weights.inv_freq.float(),
+    )  # fmt: skip
+    launch(hidden_state_tap_kernel, grid, *inputs, rows, ctx_k, ctx_v, **constexprs)
+    return ctx_k, ctx_v

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU tensors (read when triton is imported)
 
 from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
 from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
@@ -93,7 +94,7 @@ def trained_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.Temp
     drafter = load_drafter(untrained)
     target = load_target(tiny_targets["qwen3"], drafter.config.target_layer_ids)
     prompts = torch.randint(1, 90, (64, 16), generator=torch.Generator().manual_seed(0))
-    sequences = generate_responses(target, prompts, 64)
+    sequences = generate_responses(target, prompts.tolist(), 64)
     train_drafter(drafter, target, make_examples(target, list(sequences), [1] * len(sequences)), TrainSettings(steps=300))
     output = tmp_path_factory.mktemp("trained") / "d"
     config = json.loads((untrained / "config.json").read_text())

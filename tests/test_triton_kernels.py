@@ -1,0 +1,159 @@
+"""The dflash ops' Triton kernels, run by Triton's interpreter on CPU, against the torch reference semantics;
+and their ahead-of-time compilation for sm_80/sm_90 (what the TensorRT AOT plugins embed).
+
+Tolerances (max abs difference over outputs of magnitude ~1-5, the reference computed in fp32 from the same
+rounded inputs): fp32 2e-5, fp16 4e-3, bf16 4e-2 -- one or two roundings of the output in that dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dflash_trt.plugins.block_denoise import block_denoise, block_denoise_triton
+from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap, hidden_state_tap_triton
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 4e-2}
+DTYPES = list(TOLERANCE)
+
+
+def _max_error(result: torch.Tensor, reference: torch.Tensor) -> float:
+    return (result.float() - reference.float()).abs().max().item()
+
+
+def _tap_weights(hidden: int, n_taps: int, layers: int, kv_heads: int, head_dim: int, seed: int) -> TapWeights:
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    return TapWeights(
+        normal(hidden, n_taps * hidden), 1 + normal(hidden), [normal(kv_heads * head_dim, hidden) for _ in range(layers)],
+        [None] * layers, [normal(kv_heads * head_dim, hidden) for _ in range(layers)], [None] * layers,
+        [1 + normal(head_dim) for _ in range(layers)], inv_freq, 1.0, 1e-6,
+    )  # fmt: skip
+
+
+def _cast(weights: TapWeights, dtype: torch.dtype) -> TapWeights:
+    def c(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.to(dtype) for t in tensors]
+
+    return TapWeights(
+        weights.fc.to(dtype), weights.hidden_norm.to(dtype), c(weights.k_proj), weights.k_bias, c(weights.v_proj),
+        weights.v_bias, c(weights.k_norm), weights.inv_freq, weights.rope_scaling, weights.eps,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("batch", "slots", "hidden", "layers", "kv_heads", "head_dim"),
+    [(1, 1, 64, 1, 1, 32), (2, 21, 96, 2, 2, 32), (3, 7, 80, 2, 1, 64)],  # rows and hidden not multiples of the tiles
+)
+def test_hidden_state_tap_kernel_matches_reference(
+    dtype: torch.dtype, batch: int, slots: int, hidden: int, layers: int, kv_heads: int, head_dim: int
+) -> None:
+    weights = _cast(_tap_weights(hidden, 3, layers, kv_heads, head_dim, seed=slots), dtype)
+    generator = torch.Generator().manual_seed(batch)
+    taps = torch.randn(batch, slots, 3 * hidden, generator=generator).to(dtype)
+    starts = torch.randint(0, 500, (batch, 1), generator=generator)
+    positions = starts + torch.arange(slots)  # every sequence at its own positions
+
+    ctx_k, ctx_v = hidden_state_tap_triton(F.linear(taps, weights.fc), positions, weights)
+    fp32 = _cast(weights, torch.float32)
+    ref_k, ref_v = hidden_state_tap(taps.float(), positions, fp32)
+    if dtype != torch.float32:  # the kernel starts from fused = fc(taps) in its dtype: so does the reference
+        ref_k, ref_v = hidden_state_tap_from_fused(F.linear(taps, weights.fc).float(), positions, fp32)
+    assert ctx_k.shape == ref_k.shape == (layers, batch, slots, kv_heads, head_dim) and ctx_k.dtype == dtype
+    assert _max_error(ctx_k, ref_k) <= TOLERANCE[dtype] * max(1.0, ref_k.abs().max().item())
+    assert _max_error(ctx_v, ref_v) <= TOLERANCE[dtype] * max(1.0, ref_v.abs().max().item())
+
+
+def hidden_state_tap_from_fused(
+    fused: torch.Tensor, positions: torch.Tensor, weights: TapWeights
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference with fc already applied (an identity fc over the fused features)."""
+    return hidden_state_tap(fused, positions, dataclasses.replace(weights, fc=torch.eye(fused.shape[-1])))
+
+
+BLOCK_CASES = {
+    # name: (batch, heads, kv_heads, head_dim, block size, ctx slots, causal, window)
+    "bidirectional-b16": (2, 4, 2, 32, 16, 37, False, None),
+    "bidirectional-b8": (3, 2, 1, 16, 8, 50, False, None),
+    "context-length-0": (2, 4, 2, 32, 16, 0, False, None),
+    "sliding-causal": (2, 4, 2, 32, 16, 70, True, 5),
+    "sliding-bidirectional": (2, 4, 4, 32, 8, 45, False, 6),
+    "window-covers-all": (2, 4, 2, 32, 16, 40, True, 4096),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+def test_block_denoise_kernel_matches_reference(dtype: torch.dtype, case: str) -> None:
+    batch, heads, kv_heads, head_dim, size, slots, causal, window = BLOCK_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    q, block_k, block_v = (
+        randn(batch, size, heads, head_dim),
+        randn(batch, size, kv_heads, head_dim),
+        randn(batch, size, kv_heads, head_dim),
+    )
+    ctx_k, ctx_v = randn(batch, slots, kv_heads, head_dim), randn(batch, slots, kv_heads, head_dim)
+    ctx_len = torch.randint(0, slots + 1, (batch,), generator=generator)  # a different committed length per sequence
+    ctx_len[0] = slots
+    rows = torch.arange(slots)[None, :, None, None] >= ctx_len[:, None, None, None]
+    ctx_k, ctx_v = ctx_k.masked_fill(rows, 1e4), ctx_v.masked_fill(rows, 1e4)  # stale rows: must never count
+    positions = ctx_len[:, None] + torch.arange(size)
+    scale = 1 / math.sqrt(head_dim)
+
+    result = block_denoise_triton(q, block_k, block_v, ctx_k, ctx_v, ctx_len, positions, causal, window, scale)
+    reference = block_denoise(
+        q.float(), block_k.float(), block_v.float(), ctx_k.float(), ctx_v.float(), ctx_len, positions, causal, window, scale
+    )
+    assert result.shape == reference.shape == (batch, size, heads * head_dim) and result.dtype == dtype
+    assert _max_error(result, reference) <= TOLERANCE[dtype] * max(1.0, reference.abs().max().item())
+
+
+def test_kernels_refuse_cpu_tensors_without_the_interpreter() -> None:
+    code = (
+        "import torch\n"
+        "from dflash_trt.plugins.block_denoise import block_denoise_triton\n"
+        "x = torch.zeros(1, 16, 2, 16)\n"
+        "block_denoise_triton(x, x, x, x, x, torch.tensor([16]), torch.arange(16, 32)[None], False, None, 0.25)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "set TRITON_INTERPRET=1 before triton is imported, or pass CUDA tensors" in result.stderr
+
+
+def test_kernels_compile_ahead_of_time_for_sm80_and_sm90() -> None:
+    """Every kernel x dtype compiles to PTX for both architectures in a process without the interpreter: the
+    entry is the kernel, its parameters are inputs, scalars, outputs in TensorRT's AOT order, nothing spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_trt.plugins.aot", "--arch", "80", "90", "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    kernels, dtypes = ("hidden_state_tap_kernel", "block_denoise_kernel"), ("float32", "float16", "bfloat16")
+    assert {(r["kernel"], r["dtype"], r["arch"]) for r in rows} == {(k, d, a) for k in kernels for d in dtypes for a in (80, 90)}
+    for row in rows:
+        assert row["name"] == row["kernel"]
+        declared = row["runtime_arguments"]
+        # Triton appends its scratch pointers (unused by these kernels) after the declared arguments
+        assert row["parameters"][: len(declared)] == [f"{row['kernel']}_param_{i}" for i in range(len(declared))]
+        assert len(row["parameters"]) - len(declared) in (0, 1, 2)
+        assert row["spill_bytes"] == 0, row
+        assert 0 < row["registers"] <= 255

@@ -27,7 +27,7 @@ lint: venv .typings/tensorrt/__init__.pyi
 venv: $(VENV)/.installed
 
 # TensorRT cannot be installed here: its type stubs, patched for mypy (see the script).
-.typings/tensorrt/__init__.pyi: scripts/prepare_tensorrt_stubs.py $(VENV)/.installed
+.typings/tensorrt/__init__.pyi: scripts/prepare_tensorrt_stubs.py scripts/stubs/tensorrt_plugin.pyi $(VENV)/.installed
 	$(PY) scripts/prepare_tensorrt_stubs.py .typings
 
 $(VENV)/.installed: pyproject.toml Makefile

@@ -4,7 +4,7 @@ TensorRT cannot be installed in the environment this toolkit is developed in, so
 type-checked with mypy against `tensorrt-stubs` (scripts/prepare_tensorrt_stubs.py), and it fails with a
 clear message where TensorRT or a GPU is missing. The dflash:: nodes become plugins: their ONNX function
 bodies are stripped and the parser looks the op names up in the plugin registry (namespace "dflash"),
-where plugins/ registers them with `tensorrt.plugin`.
+where plugins/tensorrt_plugins.py registers them with `tensorrt.plugin` (AOT: Triton kernels as PTX).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 from dflash_trt.builder.graphs import graph_inputs
 from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION
+from dflash_trt.plugins.tensorrt_plugins import register_tensorrt_plugins
 
 try:
     import tensorrt as trt
@@ -109,6 +110,7 @@ def build_plan(
 ) -> None:
     """Parse one exported graph and write its serialized TensorRT plan (strongly typed: the ONNX dtypes rule)."""
     require_tensorrt()
+    register_tensorrt_plugins()  # the dflash nodes' plugins, with their kernels compiled ahead of time
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))

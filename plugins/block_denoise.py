@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from dflash_trt.builder.layers import masked_attention
 from dflash_trt.plugins.onnx_domain import DFLASH, op
-from dflash_trt.plugins.triton_launch import launch, upcast_dots
+from dflash_trt.plugins.triton_launch import KernelSpec, element_pointer, launch, upcast_dots
 from onnxscript import script
 
 NEG_INF = float("-inf")
@@ -111,9 +111,6 @@ def BlockDenoise(q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions, ca
 
 ONNX_FUNCTIONS = (BlockDenoise,)
 
-KERNEL_INPUTS = ("q", "block_k", "block_v", "ctx_k", "ctx_v", "ctx_len", "block_positions")
-KERNEL_SCALARS = ("ctx_slots",)
-KERNEL_OUTPUTS = ("out",)
 MIN_DOT = 16  # tl.dot needs >= 16 along every axis
 
 
@@ -203,6 +200,23 @@ def kernel_constexprs(
         "BLOCK_SIZE": block_size, "HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "CAUSAL": causal,
         "WINDOW": window or 0, "SCALE": scale, "BLOCK_S": block_s, "BLOCK_N": max(block_n, block_s), "UPCAST": upcast,
     }  # fmt: skip
+
+
+TACTIC_BLOCK_N = {1: 32, 2: 64, 3: 128}  # TensorRT tactic -> context rows per chunk (long contexts like larger)
+
+
+def aot_spec(
+    block_size: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float,
+    dtype: torch.dtype, block_n: int = 32,
+) -> KernelSpec:  # fmt: skip
+    """The kernel for a GPU build: grid (batch, heads)."""
+    element = element_pointer(dtype)
+    signature = {
+        "q": element, "block_k": element, "block_v": element, "ctx_k": element, "ctx_v": element, "ctx_len": "*i64",
+        "block_positions": "*i64", "ctx_slots": "i32", "out": element,
+    }  # fmt: skip
+    constexprs = kernel_constexprs(block_size, heads, kv_heads, head_dim, causal, window, scale, False, block_n)
+    return KernelSpec(block_denoise_kernel, signature, constexprs, ("batch", "heads"))
 
 
 def block_denoise_triton(

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from dflash_trt.builder.layers import apply_rotary, rms_norm, rotary_cos_sin
 from dflash_trt.plugins.onnx_domain import DFLASH, op
-from dflash_trt.plugins.triton_launch import launch, upcast_dots
+from dflash_trt.plugins.triton_launch import KernelSpec, element_pointer, launch, upcast_dots
 from onnxscript import script
 
 
@@ -123,9 +123,6 @@ def HiddenStateTap(fused, positions, hidden_norm, k_proj, v_proj, k_norm, inv_fr
 
 ONNX_FUNCTIONS = (RMSNormLastAxis, HiddenStateTap)
 
-KERNEL_INPUTS = ("fused", "positions", "hidden_norm", "k_proj", "v_proj", "k_norm", "inv_freq")
-KERNEL_SCALARS = ("rows",)
-KERNEL_OUTPUTS = ("ctx_k", "ctx_v")
 BLOCK_ROWS = 16  # tl.dot needs >= 16 rows
 BLOCK_E = 32  # reduction chunk: 4 weight tiles [BLOCK_E, D/2] live at once
 
@@ -195,23 +192,36 @@ def hidden_state_tap_kernel(
     tl.store(ctx_v + out + HALF, v2.to(ctx_v.dtype.element_ty), mask=store_ok)
 
 
-def kernel_constexprs(weights: TapWeights, upcast: bool, block_e: int = BLOCK_E) -> dict[str, int | float | bool]:
-    head_dim = weights.k_norm[0].shape[0]
+def kernel_constexprs(
+    hidden: int, kv_heads: int, head_dim: int, eps: float, rope_scaling: float, upcast: bool
+) -> dict[str, int | float | bool]:
     if head_dim < 32 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim}: the HiddenStateTap kernel needs a power of two >= 32")
     return {
-        "HIDDEN": weights.hidden_norm.shape[0], "KV_HEADS": weights.k_proj[0].shape[0] // head_dim, "HEAD_DIM": head_dim,
-        "EPS": weights.eps, "ROPE_SCALING": weights.rope_scaling, "BLOCK_T": BLOCK_ROWS, "BLOCK_E": block_e, "UPCAST": upcast,
+        "HIDDEN": hidden, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "EPS": eps, "ROPE_SCALING": rope_scaling,
+        "BLOCK_T": BLOCK_ROWS, "BLOCK_E": BLOCK_E, "UPCAST": upcast,
     }  # fmt: skip
+
+
+def aot_spec(hidden: int, kv_heads: int, head_dim: int, eps: float, rope_scaling: float, dtype: torch.dtype) -> KernelSpec:
+    """The kernel for a GPU build: grid (cdiv(rows, BLOCK_ROWS), layers * kv_heads)."""
+    element = element_pointer(dtype)
+    signature = {
+        "fused": element, "positions": "*i64", "hidden_norm": element, "k_proj": element, "v_proj": element,
+        "k_norm": element, "inv_freq": "*fp32", "rows": "i32", "ctx_k": element, "ctx_v": element,
+    }  # fmt: skip
+    constexprs = kernel_constexprs(hidden, kv_heads, head_dim, eps, rope_scaling, upcast=False)
+    return KernelSpec(hidden_state_tap_kernel, signature, constexprs, ("row blocks of 16", "layers x kv heads"))
 
 
 def hidden_state_tap_triton(
     fused: torch.Tensor, positions: torch.Tensor, weights: TapWeights
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op through its Triton kernel: fused [B, T, E] (= fc(taps)), positions [B, T] -> ctx_k, ctx_v [L, B, T, Hkv, D]."""
-    batch, slots, _ = fused.shape
-    constexprs = kernel_constexprs(weights, upcast_dots(fused))
-    layers, kv_heads, head_dim = len(weights.k_proj), int(constexprs["KV_HEADS"]), int(constexprs["HEAD_DIM"])
+    batch, slots, hidden = fused.shape
+    layers, head_dim = len(weights.k_proj), weights.k_norm[0].shape[0]
+    kv_heads = weights.k_proj[0].shape[0] // head_dim
+    constexprs = kernel_constexprs(hidden, kv_heads, head_dim, weights.eps, weights.rope_scaling, upcast_dots(fused))
     ctx_k = torch.empty((layers, batch, slots, kv_heads, head_dim), dtype=fused.dtype, device=fused.device)
     ctx_v = torch.empty_like(ctx_k)
     rows = batch * slots

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,17 @@ def launch(kernel: triton.JITFunction, grid: tuple[int, ...], *args: Any, **cons
 
 
 @dataclass(frozen=True)
+class KernelSpec:
+    """A kernel specialised for AOT compilation: runtime arguments in TensorRT's order (inputs, 32-bit integer
+    scalars, outputs) with their Triton types, and the compile-time constants."""
+
+    kernel: triton.JITFunction
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    grid: tuple[str, ...]  # what each grid axis spans, for reports
+
+
+@dataclass(frozen=True)
 class CompiledKernel:
     name: str  # the PTX entry point
     ptx: str
@@ -59,11 +69,9 @@ class CompiledKernel:
     spill_bytes: int  # spill stores + loads, from ptxas -v
 
 
-def compile_for_gpu(
-    kernel: triton.JITFunction, signature: dict[str, str], constexprs: dict[str, Any], arch: int, num_warps: int = 4
-) -> CompiledKernel:
-    """Compile for sm_<arch> without a GPU. signature: argument -> Triton type ("*fp16", "i32", "fp32",
-    "constexpr"); constexprs: the compile-time values."""
+def compile_for_gpu(spec: KernelSpec, arch: int, num_warps: int = 4) -> CompiledKernel:
+    """Compile for sm_<arch> without a GPU (PTX, then ptxas for the register report)."""
+    kernel, signature, constexprs = spec.kernel, spec.signature, spec.constexprs
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch={arch} is not supported: compile for one of {SUPPORTED_ARCHS} (sm_80, sm_90)")
     if interpreting():
@@ -118,5 +126,5 @@ def triton_type(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} has no dflash kernel; use float32, float16 or bfloat16") from None
 
 
-def pointer_signature(names: Sequence[str], dtypes: Sequence[torch.dtype]) -> dict[str, str]:
-    return {name: "*" + triton_type(dtype) for name, dtype in zip(names, dtypes, strict=True)}
+def element_pointer(dtype: torch.dtype) -> str:
+    return "*" + triton_type(dtype)

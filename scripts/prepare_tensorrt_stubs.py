@@ -3,7 +3,8 @@
 `tensorrt-stubs` ships .pyi files that mypy cannot parse as they are: parameters named `in`, one
 non-default parameter after defaults (`add_scale_nd(..., channel_axis)`), and an import of the
 unresolvable `tensorrt_libs`. This downloads the wheel, patches those three, and writes the stubs to
-OUTPUT (default .typings/), which `make lint` puts on MYPYPATH.
+OUTPUT (default .typings/), which `make lint` puts on MYPYPATH. `tensorrt.plugin` is not in tensorrt-stubs:
+scripts/stubs/tensorrt_plugin.pyi (written from its source) is added as tensorrt/plugin/__init__.pyi.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 STUBS = "tensorrt-stubs==10.13.0.35.1"
+PLUGIN_STUB = Path(__file__).parent / "stubs" / "tensorrt_plugin.pyi"
 
 
 def patch(text: str) -> str:
@@ -34,6 +36,9 @@ def main(output: Path) -> None:
                     target = output / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text(patch(archive.read(name).decode("utf-8")))
+    plugin = output / "tensorrt" / "plugin" / "__init__.pyi"
+    plugin.parent.mkdir(parents=True, exist_ok=True)
+    plugin.write_text(PLUGIN_STUB.read_text())
     print(f"TensorRT stubs ({STUBS}) written to {output}")
 
 

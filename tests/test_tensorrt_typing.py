@@ -1,4 +1,5 @@
-"""The TensorRT layer type-checks against TensorRT's own stubs, and the check catches a misspelt API call."""
+"""The TensorRT layer and the dflash plugin registrations type-check against TensorRT's stubs (tensorrt-stubs,
+plus our stub of tensorrt.plugin), and the check catches misspelt API calls."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "builder" / "tensorrt_engine.py"
+PLUGINS = ROOT / "plugins" / "tensorrt_plugins.py"
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,9 @@ def _mypy(path: Path, stubs: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(stubs)}, cwd=ROOT)
 
 
-def test_tensorrt_module_type_checks(stubs: Path) -> None:
-    result = _mypy(MODULE, stubs)
+@pytest.mark.parametrize("module", [MODULE, PLUGINS], ids=lambda p: p.name)
+def test_tensorrt_modules_type_check(module: Path, stubs: Path) -> None:
+    result = _mypy(module, stubs)
     assert result.returncode == 0, result.stdout
 
 
@@ -41,3 +44,20 @@ def test_a_planted_misspelling_fails_the_check(stubs: Path, tmp_path: Path) -> N
     result = _mypy(planted, stubs)
     assert result.returncode != 0
     assert '"Builder" has no attribute "build_serialized_netwrk"' in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("correct", "planted", "message"),
+    [
+        ("launch.grid_y = ", "launch.grid_yy = ", '"KernelLaunchParams" has no attribute "grid_yy"'),
+        ("trtp.SymIntExprs(1)", "trtp.SymIntExprs('1')", 'Argument 1 to "SymIntExprs" has incompatible type "str"'),
+    ],
+)
+def test_planted_plugin_api_errors_fail_the_check(correct: str, planted: str, message: str, stubs: Path, tmp_path: Path) -> None:
+    source = PLUGINS.read_text()
+    assert correct in source
+    path = tmp_path / "tensorrt_plugins_planted.py"
+    path.write_text(source.replace(correct, planted))
+    result = _mypy(path, stubs)
+    assert result.returncode != 0
+    assert message in result.stdout

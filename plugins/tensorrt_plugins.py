@@ -1,0 +1,116 @@
+"""TensorRT registration of the dflash ops with `tensorrt.plugin` (quickly-deployable plugins).
+
+Per op: `register` (output shapes and dtypes from the input shape expressions), `autotune` (the dtype
+combinations TensorRT may pick; BlockDenoise also offers context-chunk tactics), and `aot_impl`, which
+compiles the op's Triton kernel to PTX for the GPU being built on, with its launch grid and runtime sizes as
+symbolic expressions. The PTX is serialized into the engine, so engines run without Python.
+
+No `from __future__ import annotations` here: tensorrt.plugin reads the annotations as objects.
+"""
+
+import torch
+from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, compile_for_gpu
+
+_registered = False
+FLOAT_IO = "FP32|FP16|BF16"  # every floating-point tensor of an op shares one dtype (inv_freq stays FP32)
+NUM_WARPS = 4
+
+
+def build_arch() -> int:
+    """sm_XX of the GPU TensorRT builds on (TensorRT engines are built for the GPU they run on)."""
+    major, minor = torch.cuda.get_device_capability()
+    arch = 10 * major + minor
+    if arch not in SUPPORTED_ARCHS:
+        raise RuntimeError(f"the dflash kernels are compiled for sm_80 and sm_90; this GPU is sm_{arch}")
+    return arch
+
+
+def register_tensorrt_plugins() -> None:
+    """Register dflash::HiddenStateTap and dflash::BlockDenoise in TensorRT's plugin registry (once)."""
+    global _registered
+    if _registered:
+        return
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
+    _registered = True
+    dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16}
+
+    @trtp.register("dflash::HiddenStateTap")
+    def tap_shapes(
+        fused: trtp.TensorDesc, positions: trtp.TensorDesc, hidden_norm: trtp.TensorDesc, k_proj: trtp.TensorDesc,
+        v_proj: trtp.TensorDesc, k_norm: trtp.TensorDesc, inv_freq: trtp.TensorDesc, eps: float, rope_scaling: float,
+    ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:  # fmt: skip
+        head_dim = k_norm.shape_expr[1]
+        shape = (k_proj.shape_expr[0], fused.shape_expr[0], fused.shape_expr[1], k_proj.shape_expr[1] // head_dim, head_dim)
+        return trtp.from_shape_expr(shape, fused.dtype), trtp.from_shape_expr(shape, fused.dtype)  # [L, B, T, Hkv, D]
+
+    @trtp.autotune("dflash::HiddenStateTap")
+    def tap_combinations(
+        fused: trtp.TensorDesc, positions: trtp.TensorDesc, hidden_norm: trtp.TensorDesc, k_proj: trtp.TensorDesc,
+        v_proj: trtp.TensorDesc, k_norm: trtp.TensorDesc, inv_freq: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc, ...],
+    ) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+        io = ",".join([FLOAT_IO, "INT64", FLOAT_IO, FLOAT_IO, FLOAT_IO, FLOAT_IO, "FP32", FLOAT_IO, FLOAT_IO])
+        return [trtp.AutoTuneCombination(io, "LINEAR")]
+
+    @trtp.aot_impl("dflash::HiddenStateTap")
+    def tap_kernel(
+        fused: trtp.TensorDesc, positions: trtp.TensorDesc, hidden_norm: trtp.TensorDesc, k_proj: trtp.TensorDesc,
+        v_proj: trtp.TensorDesc, k_norm: trtp.TensorDesc, inv_freq: trtp.TensorDesc, eps: float, rope_scaling: float,
+        outputs: tuple[trtp.TensorDesc, ...], tactic: int,
+    ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
+        head_dim = k_norm.shape_expr[1].constant_value()
+        layers, kv_heads = k_proj.shape_expr[0].constant_value(), k_proj.shape_expr[1].constant_value() // head_dim
+        spec = hidden_state_tap.aot_spec(
+            fused.shape_expr[2].constant_value(), kv_heads, head_dim, eps, rope_scaling, dtypes[fused.dtype]
+        )
+        compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
+        rows = fused.shape_expr[0] * fused.shape_expr[1]
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = trtp.cdiv(rows, hidden_state_tap.BLOCK_ROWS)
+        launch.grid_y = layers * kv_heads
+        launch.block_x = compiled.num_warps * 32
+        launch.shared_mem = compiled.shared_bytes
+        scalars = trtp.SymIntExprs(1)
+        scalars[0] = trtp.SymInt32(rows)
+        return compiled.name, compiled.ptx, launch, scalars
+
+    @trtp.register("dflash::BlockDenoise")
+    def denoise_shapes(
+        q: trtp.TensorDesc, block_k: trtp.TensorDesc, block_v: trtp.TensorDesc, ctx_k: trtp.TensorDesc,
+        ctx_v: trtp.TensorDesc, ctx_len: trtp.TensorDesc, block_positions: trtp.TensorDesc, causal: int, window: int,
+        scale: float,
+    ) -> trtp.TensorDesc:  # fmt: skip
+        shape = (q.shape_expr[0], q.shape_expr[1], q.shape_expr[2] * q.shape_expr[3])
+        return trtp.from_shape_expr(shape, q.dtype)  # [B, S, H*D]
+
+    @trtp.autotune("dflash::BlockDenoise")
+    def denoise_combinations(
+        q: trtp.TensorDesc, block_k: trtp.TensorDesc, block_v: trtp.TensorDesc, ctx_k: trtp.TensorDesc,
+        ctx_v: trtp.TensorDesc, ctx_len: trtp.TensorDesc, block_positions: trtp.TensorDesc,
+        outputs: tuple[trtp.TensorDesc, ...],
+    ) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+        io = ",".join([FLOAT_IO] * 5 + ["INT64", "INT64", FLOAT_IO])
+        return [trtp.AutoTuneCombination(io, "LINEAR", list(block_denoise.TACTIC_BLOCK_N))]
+
+    @trtp.aot_impl("dflash::BlockDenoise")
+    def denoise_kernel(
+        q: trtp.TensorDesc, block_k: trtp.TensorDesc, block_v: trtp.TensorDesc, ctx_k: trtp.TensorDesc,
+        ctx_v: trtp.TensorDesc, ctx_len: trtp.TensorDesc, block_positions: trtp.TensorDesc, causal: int, window: int,
+        scale: float, outputs: tuple[trtp.TensorDesc, ...], tactic: int,
+    ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
+        size, heads, head_dim = (q.shape_expr[i].constant_value() for i in (1, 2, 3))
+        spec = block_denoise.aot_spec(
+            size, heads, block_k.shape_expr[2].constant_value(), head_dim, bool(causal), window or None,
+            scale, dtypes[q.dtype], block_denoise.TACTIC_BLOCK_N.get(tactic, 32),
+        )  # fmt: skip
+        compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = q.shape_expr[0]
+        launch.grid_y = heads
+        launch.block_x = compiled.num_warps * 32
+        launch.shared_mem = compiled.shared_bytes
+        scalars = trtp.SymIntExprs(1)
+        scalars[0] = trtp.SymInt32(ctx_k.shape_expr[1])
+        return compiled.name, compiled.ptx, launch, scalars

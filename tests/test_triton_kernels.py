@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -157,3 +158,15 @@ def test_kernels_compile_ahead_of_time_for_sm80_and_sm90() -> None:
         assert len(row["parameters"]) - len(declared) in (0, 1, 2)
         assert row["spill_bytes"] == 0, row
         assert 0 < row["registers"] <= 255
+
+
+def test_gpu_check_script_runs_at_smoke_size() -> None:
+    """scripts/gpu_check.py (the GPU table) at toy sizes on CPU: every row present, kernels agree in bf16."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r.get("op") for r in rows[1:]] == ["BlockDenoise", "HiddenStateTap", "target step"]
+    for row in rows[1:3]:
+        assert row["max_abs_error"] <= TOLERANCE[torch.bfloat16] * 2
+    assert rows[3]["verify_over_decode"] > 0

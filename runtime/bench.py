@@ -1,8 +1,11 @@
 """dflash-bench: DFlash vs plain decoding on the same built engine, same prompts, same process (alternating).
 
 Reports medians and ratios measured in one run: the step engine's time for a B-token verify block against
-a 1-token plain decode step, plain and DFlash tokens/s, tau, and whether T=0 outputs were identical.
-`--against transformers` adds eager transformers `generate()` on the same target and prompts.
+a 1-token plain decode step; plain and DFlash tokens/s and speedup; tau (tokens per step), the draft
+acceptance rate and the per-position acceptance histogram; TTFT and inter-token latency; and whether T=0
+outputs were identical. Prompts go through the target's chat template, formatted as z-lab's benchmark does.
+`--against transformers` adds eager transformers `generate()`, `--against zlab` the z-lab `dflash` reference
+(transformers backend) on the same pair and prompts. `--plot` writes a PNG (acceptance histogram, tok/s).
 """
 
 from __future__ import annotations
@@ -13,23 +16,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
+from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-BUILTIN_PROMPTS = (
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain the difference between a list and a tuple in Python.",
-    "Write a function that merges two sorted lists into one sorted list.",
-    "Give three tips for writing readable code.",
-    "Write a Python class for a simple stack with push, pop and peek.",
-)
 
 
 def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[float, float]:
@@ -62,6 +60,11 @@ def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[
 
 def decode_rate(result: Generation) -> float:
     return (len(result.tokens) - 1) / result.stats.decode_seconds if result.stats.decode_seconds else float("nan")
+
+
+def inter_token_ms(result: Generation) -> float:
+    """Mean time per generated token after the first (DFlash emits tokens in bursts of tau)."""
+    return 1e3 / decode_rate(result)
 
 
 def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
@@ -103,42 +106,137 @@ def served_rates(
     }
 
 
+@dataclass
+class EngineRuns:
+    """Per prompt: plain and DFlash on the same engine, alternating."""
+
+    plain: list[Generation] = field(default_factory=list)
+    dflash: list[Generation] = field(default_factory=list)
+
+
+def run_engine(engine: GraphEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams) -> EngineRuns:
+    runs = EngineRuns()
+    for number, prompt in enumerate(prompts, 1):
+        runs.plain.append(generate_plain(engine, prompt, max_tokens, sampling))
+        runs.dflash.append(generate(engine, prompt, max_tokens, sampling))
+        print(f"[dflash-bench] prompt {number}/{len(prompts)}: tau {runs.dflash[-1].stats.tau:.2f}", file=sys.stderr, flush=True)
+    return runs
+
+
+def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, object]:
+    """tau, draft acceptance rate, per-position acceptance (fraction of steps whose draft slot k was accepted)
+    and the histogram of tokens emitted per step (1..B), pooled over all prompts."""
+    steps = sum(r.stats.steps for r in runs)
+    per_slot = [sum(r.stats.position_accept_counts[k] for r in runs) / max(steps, 1) for k in range(block_size - 1)]
+    lengths = [n for r in runs for n in r.stats.acceptance_lengths]
+    drafted = sum(r.stats.draft_tokens for r in runs)
+    return {
+        "tau_mean": statistics.mean(r.stats.tau for r in runs),
+        "draft_acceptance_rate": sum(r.stats.accepted_draft_tokens for r in runs) / max(drafted, 1),
+        "accepted_per_position": per_slot,
+        "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],
+    }
+
+
+@dataclass
+class ReferenceRuns:
+    rates: list[float] = field(default_factory=list)  # decode tok/s per prompt
+    taus: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+
+def zlab_rates(
+    target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, temperature: float
+) -> ReferenceRuns:
+    """The z-lab `dflash` reference (dflash_generate, transformers backend, fp32) on the same pair and prompts."""
+    from dflash import model as zlab
+
+    # Its statistics time with torch.cuda.synchronize; on a CPU-only machine time with the same clock, unsynchronised.
+    if not torch.cuda.is_available():
+        zlab._cuda_time = time.perf_counter
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafter = zlab.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+    runs = ReferenceRuns()
+    for prompt in prompts:
+        with torch.inference_mode():
+            out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), max_tokens, None, temperature, return_stats=True)
+        produced = out.num_output_tokens
+        runs.rates.append((produced - 1) / (out.time_per_output_token * produced))
+        runs.taus.append(statistics.mean(out.acceptance_lengths))
+        runs.ttfts.append(out.time_to_first_token)
+        runs.outputs.append(out.output_ids[0, len(prompt) :].tolist())
+    return runs
+
+
+def write_plot(results: dict[str, Any], path: Path) -> None:
+    """PNG: per-position acceptance and tokens-per-step histogram (DFlash), and tok/s of every method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (accept, lengths, speed) = plt.subplots(1, 3, figsize=(15, 4))
+    per_slot = results["accepted_per_position"]
+    accept.bar(range(1, len(per_slot) + 1), per_slot)
+    accept.set(title="draft acceptance by position", xlabel="draft slot", ylabel="fraction of steps accepted", ylim=(0, 1))
+    histogram = results["tokens_per_step_histogram"]
+    lengths.bar(range(1, len(histogram) + 1), histogram)
+    lengths.set(title=f"tokens per step (tau {results['tau_mean']:.2f})", xlabel="tokens emitted", ylabel="steps")
+    methods = {k.removesuffix("_tok_s_median"): v for k, v in results.items() if k.endswith("_tok_s_median")}
+    speed.bar(list(methods), list(methods.values()))
+    speed.set(title=f"decode tok/s ({results['dataset']}, {results['max_tokens']} tokens)", ylabel="tokens/s")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="dflash-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repo", type=Path, required=True, help="a dflash-build output (model repository)")
-    parser.add_argument("--dataset", choices=("builtin", "humaneval"), default="builtin")
+    parser.add_argument(
+        "--dataset", default="builtin", help="builtin | humaneval | mt-bench (first turns) | FILE (JSON lines with a 'prompt')"
+    )
     parser.add_argument("--num-prompts", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (fixed length: no stop tokens)")
+    parser.add_argument("--block-size", type=int, help="must equal the engine's block size (it is compiled in)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must then be identical)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions of the step/decode micro-benchmark")
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
-    parser.add_argument("--against", choices=("transformers",), action="append", default=[])
+    parser.add_argument("--against", choices=("transformers", "zlab"), action="append", default=[])
     parser.add_argument("--served", metavar="HOST:PORT", help="also stream the prompts from a dflash-serve gRPC endpoint")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
 
     engine, manifest = load_engine(args.repo, args.threads)
+    if args.block_size is not None and args.block_size != engine.block_size:
+        parser.error(
+            f"--block-size {args.block_size}: this engine was built with block size {engine.block_size}; "
+            f"rebuild with dflash-build --block-size {args.block_size} (or drop the option)"
+        )
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
+    try:
+        sampling.validate()
+        texts = dataset_prompts(args.dataset, args.num_prompts)
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
     tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-        for p in BUILTIN_PROMPTS
-    ]
-    prompts = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts[: args.num_prompts]]
-    stop_free = args.max_tokens  # fixed-length runs: the same work for every method
+    prompts = [encode_prompt(tokenizer, text) for text in texts]
+    greedy = args.temperature == 0
 
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
-    plain_rates, dflash_rates, taus, identical, ttfts = [], [], [], [], []
-    plain_outputs = []
-    for prompt in prompts:  # alternate plain and DFlash prompt by prompt
-        plain = generate_plain(engine, prompt, stop_free)
-        dflash = generate(engine, prompt, stop_free)
-        plain_rates.append(decode_rate(plain))
-        dflash_rates.append(decode_rate(dflash))
-        taus.append(dflash.stats.tau)
-        ttfts.append(dflash.stats.prefill_seconds)
-        identical.append(plain.tokens == dflash.tokens)
-        plain_outputs.append(plain.tokens)
-    results: dict[str, object] = {
+    runs = run_engine(engine, prompts, args.max_tokens, sampling)
+    plain_rates, dflash_rates = [decode_rate(r) for r in runs.plain], [decode_rate(r) for r in runs.dflash]
+    plain_outputs = [r.tokens for r in runs.plain]
+    results: dict[str, Any] = {
         "backend": manifest["backend"],
+        "dataset": args.dataset,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
         "block_size": engine.block_size,
         "step_ms_median": step_s * 1e3,
         "decode_ms_median": decode_s * 1e3,
@@ -146,23 +244,49 @@ def main(argv: list[str] | None = None) -> int:
         "plain_tok_s_median": statistics.median(plain_rates),
         "dflash_tok_s_median": statistics.median(dflash_rates),
         "dflash_speedup": statistics.median(dflash_rates) / statistics.median(plain_rates),
-        "tau_mean": statistics.mean(taus),
-        "ttft_ms_median": statistics.median(ttfts) * 1e3,
-        "t0_identical": all(identical),
+        **acceptance_summary(runs.dflash, engine.block_size),
+        "ttft_ms_median": statistics.median(r.stats.prefill_seconds for r in runs.dflash) * 1e3,
+        "inter_token_ms_median": statistics.median(inter_token_ms(r) for r in runs.dflash),
+        "plain_inter_token_ms_median": statistics.median(inter_token_ms(r) for r in runs.plain),
+        "t0_identical": all(p.tokens == d.tokens for p, d in zip(runs.plain, runs.dflash, strict=True))
+        if greedy
+        else "n/a (T>0)",
     }
     if args.served:
-        results.update(served_rates(args.served, prompts, stop_free, dflash_rates, plain_outputs))
+        results.update(served_rates(args.served, prompts, args.max_tokens, dflash_rates, plain_outputs))
     if "transformers" in args.against:
-        rates, outputs = transformers_rate(Path(manifest["target"]["source"]), prompts, stop_free)
+        rates, outputs = transformers_rate(Path(manifest["target"]["source"]), prompts, args.max_tokens)
         results["transformers_tok_s_median"] = statistics.median(rates)
         results["plain_over_transformers"] = statistics.median(plain_rates) / statistics.median(rates)
-        results["transformers_identical"] = outputs == plain_outputs
-    width = max(len(k) for k in results)
-    for key, value in results.items():
-        print(f"{key:<{width}}  {value:.3f}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+        results["transformers_identical"] = outputs == plain_outputs if greedy else "n/a (T>0)"
+    if "zlab" in args.against:
+        zlab = zlab_rates(
+            Path(manifest["target"]["source"]), Path(manifest["drafter"]["source"]), prompts, args.max_tokens, args.temperature
+        )
+        results["zlab_tok_s_median"] = statistics.median(zlab.rates)
+        results["zlab_tau_mean"] = float(statistics.mean(zlab.taus))
+        results["zlab_ttft_ms_median"] = statistics.median(zlab.ttfts) * 1e3
+        results["dflash_over_zlab"] = statistics.median(dflash_rates) / results["zlab_tok_s_median"]
+        results["zlab_identical"] = zlab.outputs == plain_outputs if greedy else "n/a (T>0)"
+    print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        write_plot(results, args.plot)
+        print(f"[dflash-bench] plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    width = max(len(k) for k in results)
+    for key, value in results.items():
+        if isinstance(value, float):
+            shown = f"{value:.3f}"
+        elif isinstance(value, list) and value and isinstance(value[0], float):
+            shown = " ".join(f"{v:.2f}" for v in value)
+        else:
+            shown = str(value)
+        print(f"{key:<{width}}  {shown}")
 
 
 if __name__ == "__main__":

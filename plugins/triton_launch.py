@@ -24,6 +24,7 @@ from triton.compiler import ASTSource
 
 TORCH_TO_TRITON = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}
 SUPPORTED_ARCHS = (80, 90)  # sm_80 (A100) and sm_90 (H100/H200)
+DEFAULT_SHARED_LIMIT = 48 * 1024  # bytes a kernel may use without opting in per function (an AOT launch cannot)
 
 
 def upcast_dots(tensor: torch.Tensor) -> bool:
@@ -63,6 +64,7 @@ class CompiledKernel:
     name: str  # the PTX entry point
     ptx: str
     num_warps: int
+    num_stages: int  # software-pipelining depth: the deepest whose shared memory fits DEFAULT_SHARED_LIMIT
     shared_bytes: int
     parameters: tuple[str, ...]  # the entry's .param names, in order
     registers: int  # from ptxas -v
@@ -77,15 +79,20 @@ def compile_for_gpu(spec: KernelSpec, arch: int, num_warps: int = 4) -> Compiled
     if interpreting():
         raise RuntimeError("cannot compile kernels while TRITON_INTERPRET=1 is set; compile in a process without it")
     source = ASTSource(kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs)
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "enable_fp_fusion": True}
-    )
+    for num_stages in (3, 2, 1):
+        options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+        if compiled.metadata.shared <= DEFAULT_SHARED_LIMIT:
+            break
+    else:
+        raise RuntimeError(f"{kernel.__name__} needs {compiled.metadata.shared} B of shared memory even unpipelined")
     ptx = compiled.asm["ptx"]
     name = compiled.metadata.name
     registers, spills = ptxas_report(ptx, name, arch)
     return CompiledKernel(
-        name, ptx, compiled.metadata.num_warps, compiled.metadata.shared, entry_parameters(ptx, name), registers, spills
-    )
+        name, ptx, compiled.metadata.num_warps, num_stages, compiled.metadata.shared, entry_parameters(ptx, name), registers,
+        spills,
+    )  # fmt: skip
 
 
 def entry_parameters(ptx: str, name: str) -> tuple[str, ...]:

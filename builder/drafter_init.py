@@ -45,7 +45,8 @@ def choose_mask_token_id(vocab_size: int, tokenizer: PreTrainedTokenizerBase | N
     if not candidates:
         raise CheckpointError(
             f"the target's embedding table has no padding rows (vocab_size {vocab_size}, tokenizer {len(tokenizer)} tokens) "
-            "and no unused special token; pass mask_token_id explicitly (a token id the target never emits)"
+            "and no unused special token; pass mask_token_id explicitly "
+            "(a token id the target never emits; dflash-train: --mask-token-id)"
         )
     return max(candidates)
 

@@ -24,6 +24,8 @@ ALIASES = {
     "llama-3.1-8b": ModelAlias("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
 }
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+# The demo drafter for the embedded target, trained with dflash-train and shipped in the package (see its README).
+EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-dflash"
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -62,8 +64,11 @@ def resolve_checkpoint(spec: str) -> Path:
 
 
 def resolve_pair(model: str, drafter: str | None) -> tuple[Path, Path | None]:
-    """(target dir, drafter dir or None) for --model/--drafter; an alias names both."""
+    """(target dir, drafter dir or None) for --model/--drafter; an alias names both, and the embedded target
+    comes with the shipped demo drafter."""
     alias = ALIASES.get(model.lower())
     target = resolve_checkpoint(alias.target if alias else model)
+    if drafter is None and model == EMBEDDED_TARGET and (EMBEDDED_DRAFTER / "config.json").is_file():
+        return target, EMBEDDED_DRAFTER
     drafter_spec = drafter or (alias.drafter if alias else None)
     return target, resolve_checkpoint(drafter_spec) if drafter_spec else None

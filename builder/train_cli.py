@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="drafter layers")
     parser.add_argument("--taps", type=int, default=0, help="target layers tapped (0: as many as drafter layers)")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--mask-token-id", type=int, help="the drafter's mask token (default: a padding row or unused special token)"
+    )
     parser.add_argument("--num-prompts", type=int, default=0, help="0: all built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--generation-batch", type=int, default=32, help="prompts answered together")
@@ -78,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target_dir = resolve_checkpoint(args.target)
         target_config = parse_target_config(read_config_json(target_dir))
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        mask_token_id = args.mask_token_id
+        if mask_token_id is None:
+            mask_token_id = choose_mask_token_id(target_config.vocab_size, tokenizer)
     except CheckpointError as error:
         print(f"dflash-train: error: {error}", file=sys.stderr)
         return 2
+    config = drafter_config_dict(target_config, args.layers, args.block_size, mask_token_id, args.taps or None)
     args.output.mkdir(parents=True, exist_ok=True)
 
     data_path = args.output / "data.pt"
@@ -93,10 +101,6 @@ def main(argv: list[str] | None = None) -> int:
         data = generate_data(target_dir, prompts, args.max_new_tokens, args.generation_batch)
         torch.save(data, data_path)
 
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    config = drafter_config_dict(
-        target_config, args.layers, args.block_size, choose_mask_token_id(target_config.vocab_size, tokenizer), args.taps or None
-    )
     drafter = init_drafter(config, seed=args.seed)
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
     log("tapping the target over every training sequence ...")

@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         if done % 10 == 0 or done == args.steps:
             recent = history[-10:]
             per_step = (time.perf_counter() - began) / len(history)
+            filled = 20 * done // args.steps
             log(
-                f"step {done}/{args.steps}  loss {sum(r[0] for r in recent) / len(recent):.3f}  "
+                f"[{'#' * filled}{'.' * (20 - filled)}] step {done}/{args.steps}  "
+                f"loss {sum(r[0] for r in recent) / len(recent):.3f}  "
                 f"slot-1 acc {sum(r[1] for r in recent) / len(recent):.2f}  ETA {per_step * (args.steps - done) / 60:.1f} min"
             )
         if done % args.save_every == 0:

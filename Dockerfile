@@ -11,7 +11,7 @@ ARG TRITON_VERSION=25.10
 FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3
 
 # The TensorRT Python API and the Triton-language compiler for the dflash plugins' AOT kernels.
-RUN pip install --no-cache-dir "tensorrt-cu12>=10.13" "triton>=3.4"
+RUN pip install --no-cache-dir "tensorrt-cu12>=10.13" "triton==3.9.0"
 
 COPY . /opt/dflash-trt
 RUN pip install --no-cache-dir /opt/dflash-trt

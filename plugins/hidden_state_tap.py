@@ -75,7 +75,7 @@ def _hidden_state_tap_node(taps: torch.Tensor, positions: torch.Tensor, weights:
         torch.stack(weights.k_proj),
         torch.stack(weights.v_proj),
         torch.stack(weights.k_norm),
-        weights.inv_freq,
+        weights.inv_freq.float(),  # RoPE frequencies stay fp32 whatever the weights are (the plugin declares FP32)
     )
     outputs = torch.onnx.ops.symbolic_multi_out(
         "dflash::HiddenStateTap",

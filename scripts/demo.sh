@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The main job on the embedded CPU default: build the SmolLM2-135M pair, serve it with Triton, stream a
+# The main job on the embedded CPU default: build SmolLM2-135M with its shipped demo drafter, serve it with Triton, stream a
 # completion over gRPC, print acceptance stats, then compare with plain decoding in-process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-REPO=${DFLASH_DEMO_REPO:-out/smollm2-demo}
+REPO=${DFLASH_DEMO_REPO:-out/smollm2-135m-dflash}
 PROMPT=${DFLASH_DEMO_PROMPT:-"Write a Python function that returns the n-th Fibonacci number."}
 if [ ! -f "$REPO/dflash-manifest.json" ]; then
   "$BIN/dflash-build" --model smollm2-135m --output "$REPO" --max-seq-len 1024
@@ -24,5 +24,5 @@ sys.exit("tritonserver did not become ready; see out/demo-server.log")
 PY
 echo "--- streaming from tritonserver (gRPC, ensemble) ---"
 "$BIN/dflash-client" "$PROMPT" --url localhost:18001 --max-tokens 128 --stats
-echo "--- the same prompt in-process: DFlash vs plain decoding on the same engine ---"
-"$BIN/dflash-bench" --repo "$REPO" --num-prompts 1 --max-tokens 64 --repeats 5
+echo "--- in-process on two HumanEval prompts: DFlash vs plain decoding on the same engine ---"
+"$BIN/dflash-bench" --repo "$REPO" --dataset humaneval --num-prompts 2 --max-tokens 128 --repeats 5

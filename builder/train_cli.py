@@ -22,16 +22,17 @@ from dflash_trt.builder.networks import DrafterNetwork, load_target
 from dflash_trt.builder.train_data import stdlib_prompts
 from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
 from dflash_trt.runtime.prompts import encode_prompt
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def log(message: str) -> None:
     print(f"[dflash-train] {message}", file=sys.stderr, flush=True)
 
 
-def generate_data(target_dir: Path, prompts: list[str], max_new_tokens: int, batch_size: int) -> dict[str, list]:
+def generate_data(
+    target_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch_size: int
+) -> dict[str, list]:
     """The target's greedy responses; prompts sorted by token length and batched (see generate_responses)."""
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = load_target(target_dir, dtype=torch.float32)
     encoded = sorted((encode_prompt(tokenizer, text) for text in prompts), key=len)
     sequences: list[torch.Tensor] = []
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         prompts = stdlib_prompts()[: args.num_prompts or None]
         log(f"the target answers {len(prompts)} prompts ({args.max_new_tokens} tokens each) ...")
-        data = generate_data(target_dir, prompts, args.max_new_tokens, args.generation_batch)
+        data = generate_data(target_dir, tokenizer, prompts, args.max_new_tokens, args.generation_batch)
         torch.save(data, data_path)
 
     drafter = init_drafter(config, seed=args.seed)

@@ -165,14 +165,14 @@ def train_drafter(
     weights = slot_weights(size, settings.gamma or default_gamma(size))
     generator = torch.Generator().manual_seed(settings.seed + start_step)
     optimizer = optimizer or torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    autocast = torch.autocast(
+        usable[0].taps.device.type, dtype=settings.compute_dtype, enabled=settings.compute_dtype != torch.float32
+    )
     drafter.train()
     for step in range(start_step, settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = _cosine_lr(step, settings)
         chosen = [usable[i] for i in torch.randint(0, len(usable), (settings.sequences_per_step,), generator=generator).tolist()]
-        autocast = torch.autocast(
-            chosen[0].taps.device.type, dtype=settings.compute_dtype, enabled=settings.compute_dtype != torch.float32
-        )
         with autocast:
             terms = [
                 dflash_block_loss(

@@ -1,7 +1,7 @@
 """dflash-train: train a DFlash drafter for a target on the target's own responses (CPU or GPU, same code).
 
-1. prompts (standard-library functions + generic instructions, disjoint from HumanEval/MT-Bench) -> chat template
-2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data.pt)
+1. prompt sets ("code": standard-library functions; "prose": writing tasks; disjoint from HumanEval/MT-Bench)
+2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
 3. train with many random anchors per sequence, position-weighted CE               (resumable: OUTPUT/checkpoint.pt)
 4. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
 """
@@ -19,7 +19,7 @@ from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import DrafterNetwork, load_target
-from dflash_trt.builder.train_data import stdlib_prompts
+from dflash_trt.builder.train_data import PROMPT_SETS
 from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
 from dflash_trt.runtime.prompts import encode_prompt
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -45,6 +45,29 @@ def generate_data(
     return {"sequences": sequences, "prompt_lengths": [len(ids) for ids in encoded]}
 
 
+def load_or_generate(
+    path: Path, set_name: str, target_dir: Path, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
+) -> dict[str, list]:
+    """One prompt set's responses, generated once and cached at path (a set is generated on its own, so adding a
+    set never changes another set's data)."""
+    prompts = PROMPT_SETS[set_name]()[: args.num_prompts or None]
+    if path.is_file():
+        data = torch.load(path)
+        cached = (len(data["sequences"]), data.get("max_new_tokens"))
+        if cached != (len(prompts), args.max_new_tokens):
+            raise CheckpointError(
+                f"{path} holds {cached[0]} responses of {cached[1]} new tokens, but this run asks for {len(prompts)} of "
+                f"{args.max_new_tokens}; delete it or pass the options it was generated with"
+            )
+        log(f"reusing {len(data['sequences'])} generated '{set_name}' responses from {path}")
+        return data
+    log(f"the target answers {len(prompts)} '{set_name}' prompts ({args.max_new_tokens} tokens each) ...")
+    data = generate_data(target_dir, tokenizer, prompts, args.max_new_tokens, args.generation_batch)
+    data["max_new_tokens"] = args.max_new_tokens
+    torch.save(data, path)
+    return data
+
+
 def save_checkpoint(path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, step: int) -> None:
     partial = path.with_suffix(".partial")
     torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, partial)
@@ -63,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mask-token-id", type=int, help="the drafter's mask token (default: a padding row or unused special token)"
     )
-    parser.add_argument("--num-prompts", type=int, default=0, help="0: all built-in prompts")
+    parser.add_argument(
+        "--prompt-sets", nargs="+", choices=sorted(PROMPT_SETS), default=sorted(PROMPT_SETS),
+        help="built-in prompt sets the target answers (each is generated and cached on its own)",
+    )  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=0, help="prompts taken from each set (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--generation-batch", type=int, default=32, help="prompts answered together")
     parser.add_argument("--steps", type=int, default=1000)
@@ -86,26 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         mask_token_id = args.mask_token_id
         if mask_token_id is None:
             mask_token_id = choose_mask_token_id(target_config.vocab_size, tokenizer)
+        args.output.mkdir(parents=True, exist_ok=True)
+        sequences: list[torch.Tensor] = []
+        prompt_lengths: list[int] = []
+        for set_name in args.prompt_sets:
+            data = load_or_generate(args.output / f"data-{set_name}.pt", set_name, target_dir, tokenizer, args)
+            sequences += data["sequences"]
+            prompt_lengths += data["prompt_lengths"]
     except CheckpointError as error:
         print(f"dflash-train: error: {error}", file=sys.stderr)
         return 2
     config = drafter_config_dict(target_config, args.layers, args.block_size, mask_token_id, args.taps or None)
-    args.output.mkdir(parents=True, exist_ok=True)
-
-    data_path = args.output / "data.pt"
-    if data_path.is_file():
-        data = torch.load(data_path)
-        log(f"reusing {len(data['sequences'])} generated responses from {data_path}")
-    else:
-        prompts = stdlib_prompts()[: args.num_prompts or None]
-        log(f"the target answers {len(prompts)} prompts ({args.max_new_tokens} tokens each) ...")
-        data = generate_data(target_dir, tokenizer, prompts, args.max_new_tokens, args.generation_batch)
-        torch.save(data, data_path)
 
     drafter = init_drafter(config, seed=args.seed)
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
     log("tapping the target over every training sequence ...")
-    examples = make_examples(target, data["sequences"], data["prompt_lengths"])
+    examples = make_examples(target, sequences, prompt_lengths)
     settings = TrainSettings(
         args.steps, args.learning_rate, args.sequences_per_step, args.anchors,
         seed=args.seed, compute_dtype=getattr(torch, args.compute_dtype),

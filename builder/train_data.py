@@ -1,13 +1,16 @@
-"""Training prompts disjoint from HumanEval and MT-Bench: Python standard-library functions and generic instructions.
+"""Training prompt sets, disjoint from HumanEval and MT-Bench.
 
-Each public, documented function of a set of standard modules becomes "write this function" from its signature
-and the first paragraph of its docstring; a fixed list of generic instructions adds non-code turns.
+- "code": each public, documented function of a set of standard modules becomes "write this function" from its
+  signature and the first paragraph of its docstring, plus a fixed list of generic programming instructions.
+- "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
+  target through prose, lists and its own repetitions, not only code.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "functools", "glob", "hashlib", "heapq",
@@ -35,6 +38,28 @@ GENERIC_INSTRUCTIONS = (
 )  # fmt: skip
 
 
+PROSE_TEMPLATES = (
+    "Write a short story about {topic}.",
+    "Explain {topic} to a ten-year-old.",
+    "Write a blog post about {topic}.",
+    "Give five practical tips about {topic}.",
+    "Write a poem about {topic}.",
+    "What are the advantages and disadvantages of {topic}?",
+    "Write a persuasive paragraph about {topic}.",
+    "Summarize the history of {topic} in a few paragraphs.",
+    "Write an email to a friend about {topic}.",
+    "Write a list of interesting facts about {topic}.",
+)  # fmt: skip
+PROSE_TOPICS = (
+    "the water cycle", "learning a new language", "public libraries", "electric cars", "baking bread", "volcanoes",
+    "working from home", "honeybees", "the first moon landing", "chess", "recycling", "sleep", "coffee",
+    "the printing press", "rainforests", "saving money", "video games", "the human heart", "photosynthesis", "trains",
+    "jazz music", "the Roman Empire", "social media", "space exploration", "a healthy breakfast", "city parks",
+    "the internet", "friendship", "mountains", "ocean tides", "solar power", "dinosaurs", "gardening",
+    "running a marathon", "robots", "museums", "the four seasons", "bicycles", "board games", "owls",
+)  # fmt: skip
+
+
 CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{stub}\n```"
 
 
@@ -57,7 +82,7 @@ def _function_prompts(name: str, function: object) -> list[str]:
     return [f"Write a Python function `{name}{signature}`: {summary}", CODE_TASK.format(stub=stub)]
 
 
-def stdlib_prompts() -> list[str]:
+def code_prompts() -> list[str]:
     """Deterministic list of prompts (module order, then name order), generic instructions first."""
     prompts = list(GENERIC_INSTRUCTIONS)
     for module_name in STDLIB_MODULES:
@@ -66,3 +91,11 @@ def stdlib_prompts() -> list[str]:
             if inspect.isfunction(member) or inspect.isbuiltin(member):
                 prompts.extend(p for p in _function_prompts(name, member) if p not in prompts)
     return prompts
+
+
+def prose_prompts() -> list[str]:
+    """Every template with every topic, topic-major (deterministic)."""
+    return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
+
+
+PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"code": code_prompts, "prose": prose_prompts}

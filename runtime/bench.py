@@ -72,12 +72,16 @@ def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: in
     rates, outputs = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt])
+        # An explicit all-ones mask: generate() would otherwise infer one from pad_token_id, and chat targets whose
+        # pad token is their end-of-turn token (SmolLM2) would mask every earlier turn's end out of the prompt.
+        # eos_token_id=[]: fixed-length output past end-of-turn, as the engine decodes here (no stop tokens).
+        options = {"attention_mask": torch.ones_like(ids), "do_sample": False, "eos_token_id": []}
         with torch.inference_mode():
             began = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, do_sample=False)  # time to first token
+            model.generate(ids, max_new_tokens=1, **options)  # time to first token
             ttft = time.perf_counter() - began
             began = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            out = model.generate(ids, max_new_tokens=max_tokens, **options)
             total = time.perf_counter() - began
         rates.append((max_tokens - 1) / max(total - ttft, 1e-9))  # decode rate, prefill excluded as for the engine
         outputs.append(out[0, len(prompt) :].tolist())

@@ -9,7 +9,8 @@ import pytest
 from dflash_trt.builder.cli import main as dflash_build
 from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import Request, http_generate_stream, stream_text, stream_tokens
-from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.bench import transformers_rate
+from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.prompts import encode_prompt, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.serve import Ports
@@ -48,3 +49,17 @@ def test_humaneval_streams_equal_the_in_process_engine(smollm2_repo: Path, serve
             "".join(r["text"] for r in http_generate_stream(f"http://localhost:{server.http}", text, Request(MAX_TOKENS)))
             == expected_text
         )
+
+
+def test_transformers_baseline_decodes_as_the_engine_does(smollm2_repo: Path) -> None:
+    """HumanEval/9: the target ends its turn at new token 77. The engine decodes on past it (fixed length, no stop
+    tokens), so `dflash-bench --against transformers` must too, without suppressing the end-of-turn token, and
+    without generate() masking the prompt's own end-of-turn tokens (SmolLM2's pad token) as padding."""
+    engine, manifest = load_engine(smollm2_repo)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_repo / TOKENIZER_DIR)
+    prompt = encode_prompt(tokenizer, humaneval_prompts(10)[9])
+    assert tokenizer.pad_token_id in prompt
+    expected = generate_plain(engine, prompt, 80).tokens
+    assert tokenizer.eos_token_id in expected
+    _, outputs = transformers_rate(Path(manifest["target"]["source"]), [prompt], 80)
+    assert outputs == [expected]

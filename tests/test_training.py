@@ -39,7 +39,7 @@ def test_batched_taps_equal_single_sequence_taps(qwen3_target) -> None:  # noqa:
 
 
 def _train(target: Path, output: Path, steps: int) -> None:
-    command = ["--target", str(target), "--output", str(output), "--num-prompts", "12", "--max-new-tokens", "24",
+    command = ["--target", str(target), "--output", str(output), "--num-prompts", "6", "--max-new-tokens", "24",
                "--layers", "1", "--steps", str(steps), "--save-every", "4", "--sequences-per-step", "2",
                "--anchors", "4", "--generation-batch", "5", "--dtype", "float32", "--mask-token-id", "95"]  # fmt: skip
     assert dflash_train(command) == 0
@@ -54,7 +54,8 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     assert "pass mask_token_id explicitly" in capsys.readouterr().err
     _train(target, tmp_path / "a", 8)
     first_log = capsys.readouterr().err
-    assert "the target answers 12 prompts (24 tokens each)" in first_log
+    assert "the target answers 6 'code' prompts (24 tokens each)" in first_log
+    assert "the target answers 6 'prose' prompts (24 tokens each)" in first_log
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", first_log)]
     assert len(losses) == 1 and losses[0] > 0  # step 8 of 8 reported with its loss
 
@@ -70,5 +71,9 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
 
     _train(target, tmp_path / "a", 12)  # more steps on the same output: data and checkpoint are reused
     log = capsys.readouterr().err
-    assert "reusing 12 generated responses" in log and "resuming at step 8" in log
+    assert "reusing 6 generated 'code' responses" in log and "resuming at step 8" in log
     assert "step 12/12" in log
+    # a cached prompt set generated with other options is not silently reused
+    assert dflash_train(["--target", str(target), "--output", str(tmp_path / "a"), "--num-prompts", "6",
+                         "--max-new-tokens", "32", "--mask-token-id", "95", "--steps", "1"]) == 2  # fmt: skip
+    assert "holds 6 responses of 24 new tokens, but this run asks for 6 of 32" in capsys.readouterr().err

@@ -75,7 +75,11 @@ def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: in
         # An explicit all-ones mask: generate() would otherwise infer one from pad_token_id, and chat targets whose
         # pad token is their end-of-turn token (SmolLM2) would mask every earlier turn's end out of the prompt.
         # eos_token_id=[]: fixed-length output past end-of-turn, as the engine decodes here (no stop tokens).
-        options = {"attention_mask": torch.ones_like(ids), "do_sample": False, "eos_token_id": []}
+        # pad_token_id: unused for one unpadded row, but generate() derives it from eos_token_id when unset.
+        options: dict[str, Any] = {
+            "attention_mask": torch.ones_like(ids), "do_sample": False, "eos_token_id": [],
+            "pad_token_id": model.generation_config.pad_token_id or 0,
+        }  # fmt: skip
         with torch.inference_mode():
             began = time.perf_counter()
             model.generate(ids, max_new_tokens=1, **options)  # time to first token

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config, parse_target_config, read_config_json
@@ -31,8 +32,9 @@ def log(message: str) -> None:
 
 def generate_data(
     target_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch_size: int
-) -> dict[str, list]:
-    """The target's greedy responses; prompts sorted by token length and batched (see generate_responses)."""
+) -> dict[str, Any]:
+    """The target's greedy responses; prompts sorted by token length and batched (see generate_responses). The
+    record keeps the prompts and length it was made from, so a cache can be checked against a later run."""
     target = load_target(target_dir, dtype=torch.float32)
     encoded = sorted((encode_prompt(tokenizer, text) for text in prompts), key=len)
     sequences: list[torch.Tensor] = []
@@ -42,28 +44,38 @@ def generate_data(
         sequences.extend(generate_responses(target, batch, max_new_tokens))
         rate = len(sequences) * max_new_tokens / (time.perf_counter() - began)
         log(f"generated {len(sequences)}/{len(encoded)} responses ({rate:.0f} response tok/s)")
-    return {"sequences": sequences, "prompt_lengths": [len(ids) for ids in encoded]}
+    return {
+        "sequences": sequences, "prompt_lengths": [len(ids) for ids in encoded],
+        "prompts": prompts, "max_new_tokens": max_new_tokens,
+    }  # fmt: skip
 
 
 def load_or_generate(
-    path: Path, set_name: str, target_dir: Path, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
-) -> dict[str, list]:
-    """One prompt set's responses, generated once and cached at path (a set is generated on its own, so adding a
-    set never changes another set's data)."""
-    prompts = PROMPT_SETS[set_name]()[: args.num_prompts or None]
+    output: Path,
+    set_name: str,
+    target_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    batch_size: int,
+    num_prompts: int,
+) -> dict[str, Any]:
+    """One prompt set's responses, generated once and cached in output/data-SET.pt (a set is generated on its own,
+    so adding a set never changes another set's data). A cache made from other prompts or another length is refused."""
+    path = output / f"data-{set_name}.pt"
+    prompts = PROMPT_SETS[set_name]()[: num_prompts or None]
     if path.is_file():
-        data = torch.load(path)
-        cached = (len(data["sequences"]), data.get("max_new_tokens"))
-        if cached != (len(prompts), args.max_new_tokens):
+        data: dict[str, Any] = torch.load(path)
+        if (data.get("prompts"), data.get("max_new_tokens")) != (prompts, max_new_tokens):
+            same_count = len(data["sequences"]) == len(prompts)
+            other_texts = " to other prompts" if same_count and data.get("prompts") != prompts else ""
             raise CheckpointError(
-                f"{path} holds {cached[0]} responses of {cached[1]} new tokens, but this run asks for {len(prompts)} of "
-                f"{args.max_new_tokens}; delete it or pass the options it was generated with"
+                f"{path} holds {len(data['sequences'])} responses of {data.get('max_new_tokens')} new tokens{other_texts}, "
+                f"but this run asks for {len(prompts)} of {max_new_tokens}; delete it or pass the options it was made with"
             )
         log(f"reusing {len(data['sequences'])} generated '{set_name}' responses from {path}")
         return data
-    log(f"the target answers {len(prompts)} '{set_name}' prompts ({args.max_new_tokens} tokens each) ...")
-    data = generate_data(target_dir, tokenizer, prompts, args.max_new_tokens, args.generation_batch)
-    data["max_new_tokens"] = args.max_new_tokens
+    log(f"the target answers {len(prompts)} '{set_name}' prompts ({max_new_tokens} tokens each) ...")
+    data = generate_data(target_dir, tokenizer, prompts, max_new_tokens, batch_size)
     torch.save(data, path)
     return data
 
@@ -117,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         sequences: list[torch.Tensor] = []
         prompt_lengths: list[int] = []
         for set_name in args.prompt_sets:
-            data = load_or_generate(args.output / f"data-{set_name}.pt", set_name, target_dir, tokenizer, args)
+            data = load_or_generate(
+                args.output, set_name, target_dir, tokenizer, args.max_new_tokens, args.generation_batch, args.num_prompts
+            )
             sequences += data["sequences"]
             prompt_lengths += data["prompt_lengths"]
     except CheckpointError as error:

@@ -76,7 +76,31 @@ def sample_tokens(
 ) -> torch.Tensor:
     """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B] -> tokens [B, S].
 
-    Greedy rows take the argmax. Rows without top-k/top-p sample the whole tempered distribution by
+    A batch whose rows are all greedy takes only the argmax: the sampling ops over [B, S, V] cost several
+    times the argmax (5.5 vs 1.4 ms on the 16-slot verify block of a 49k vocabulary, 2-core CPU). Exported
+    graphs branch with an ONNX `If` (torch.cond); eagerly the host picks the branch (an eager torch.cond
+    would compile its branches first).
+    """
+    operands = (logits, uniforms, temperature, top_k, top_p, candidate_slots)
+    any_sampled = (temperature > 0).any()  # [] bool
+    if torch.compiler.is_exporting():
+        return torch.cond(any_sampled, _sample_rows, _greedy_rows, operands)
+    return _sample_rows(*operands) if bool(any_sampled) else _greedy_rows(*operands)
+
+
+def _greedy_rows(logits: torch.Tensor, *_parameters: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)  # [B, S]
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    uniforms: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    candidate_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Per row: greedy rows take the argmax. Rows without top-k/top-p sample the whole tempered distribution by
     inverse CDF in vocabulary order (no sort). Rows with top-k/top-p sample among the K best candidates,
     K = len(candidate_slots) (the host makes K = V when top-p is in use): top-k then top-p, as HF's warpers.
     """

@@ -25,13 +25,19 @@ from transformers import AutoModelForCausalLM
 # operator matrix), plus the dflash nodes that become plugins. Anything else would break the TensorRT build.
 TENSORRT_OPS = {
     "Add", "And", "ArgMax", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Cos", "CumSum", "Div",
-    "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater", "GreaterOrEqual", "Identity", "IsNaN", "Less",
+    "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater", "GreaterOrEqual", "Identity", "If", "IsNaN", "Less",
     "LessOrEqual", "MatMul", "Max", "Min", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceMax",
     "ReduceMean", "ReduceSum", "Reshape", "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax",
     "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
 }  # fmt: skip
 DFLASH_OPS = {"HiddenStateTap", "BlockDenoise"}
 NUM_PROMPTS, NEW_TOKENS = 20, 64
+
+
+def _nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and those of its `If` branches (TensorRT parses those too)."""
+    branches = [a.g for node in graph.node for a in node.attribute if a.HasField("g")]
+    return [*graph.node, *(node for branch in branches for node in _nodes(branch))]
 
 
 def _build_command(target: Path, drafter: Path, output: Path) -> list[str]:
@@ -84,11 +90,13 @@ def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_buil
     for name in ("prefill", "step", "decode"):
         onnx.checker.check_model(str(engine_dir / f"{name}.onnx"), full_check=True)
         model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
-        standard = {n.op_type for n in model.graph.node if n.domain in ("", "ai.onnx")}
-        custom = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+        nodes = _nodes(model.graph)
+        standard = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
+        custom = {n.op_type for n in nodes if n.domain == DOMAIN}
         assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"
         assert custom == (set() if name == "decode" else DFLASH_OPS), f"{name}: dflash nodes {custom}"
-        assert {n.domain for n in model.graph.node} <= {"", DOMAIN}
+        assert {n.domain for n in nodes} <= {"", DOMAIN}
+        assert "If" in standard, f"{name}: greedy batches should skip the sampling ops (an If on the temperatures)"
     # Every large weight is stored once, in the shared file.
     sizes = {p.name: p.stat().st_size for p in engine_dir.iterdir()}
     assert sizes["weights.bin"] > max(sizes[f"{n}.onnx"] for n in ("prefill", "step", "decode"))

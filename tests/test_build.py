@@ -19,6 +19,7 @@ from dflash_trt.plugins.onnx_domain import DOMAIN
 from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
 # Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
@@ -121,8 +122,6 @@ def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets:
     """Cache rows and draft-context rows (functions of the target's K/V and taps) within 1e-4 of the torch engine."""
     ort_engine, _ = load_engine(interrupted_then_built[0])
     reference = torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256)
-    from dflash_trt.runtime.sampling import SamplingParams
-
     prompt = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
     caches = [reference.allocate(1), ort_engine.allocate(1)]
     outs = [
@@ -138,6 +137,23 @@ def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets:
     for ref_cache, ort_cache in ((caches[0].target, caches[1].target), (caches[0].draft_ctx, caches[1].draft_ctx)):
         assert (ref_cache.k - ort_cache.k).abs().max() <= 1e-4
         assert (ref_cache.v - ort_cache.v).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=4)],
+    ids=["T0.8", "T1-k3-p0.9"],
+)
+def test_onnxruntime_engine_samples_as_torch(
+    interrupted_then_built, tiny_targets: dict[str, Path], trained_drafter: Path, sampling: SamplingParams
+) -> None:
+    """At T > 0 the exported graphs take their sampling branch and draw what the torch engine draws from the same seed."""
+    ort_engine, _ = load_engine(interrupted_then_built[0])
+    reference = torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256)
+    prompt = [3, 14, 15, 9, 26, 5, 35]
+    sampled = generate(ort_engine, prompt, NEW_TOKENS, sampling).tokens
+    assert sampled == generate(reference, prompt, NEW_TOKENS, sampling).tokens
+    assert sampled != generate(ort_engine, prompt, NEW_TOKENS).tokens, "a sampled run should leave the greedy path"
 
 
 def test_tensorrt_backend_fails_clearly_here(

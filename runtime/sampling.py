@@ -76,8 +76,8 @@ def sample_tokens(
 ) -> torch.Tensor:
     """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B] -> tokens [B, S].
 
-    A batch whose rows are all greedy takes only the argmax: the sampling ops over [B, S, V] cost several
-    times the argmax (5.5 vs 1.4 ms on the 16-slot verify block of a 49k vocabulary, 2-core CPU). Exported
+    A batch whose rows are all greedy takes only the argmax: the sampling ops over [B, S, V] cost many times
+    the argmax (measured in the README's "How the loop works"). Exported
     graphs branch with an ONNX `If` (torch.cond); eagerly the host picks the branch (an eager torch.cond
     would compile its branches first).
     """

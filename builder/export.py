@@ -89,22 +89,17 @@ def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
         model.graph.initializer.append(onnx.numpy_helper.from_array(folded.copy(), name=node.output[0]))
     del model.graph.node[:]
     model.graph.node.extend(kept)
-    used = _names_read(model.graph) | {o.name for o in model.graph.output}
+    used = {name for node in all_nodes(model.graph) for name in node.input} | {o.name for o in model.graph.output}
     unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
     for tensor in unused:
         model.graph.initializer.remove(tensor)
     return model
 
 
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """Every value name a node of the graph reads, inside `If` branches too (they read outer initializers)."""
-    names = set()
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            for branch in [attribute.g] if attribute.HasField("g") else list(attribute.graphs):
-                names |= _names_read(branch)
-    return names
+def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, recursively, those of its `If` branches (which read outer-scope values)."""
+    branches = [b for node in graph.node for a in node.attribute for b in ([a.g] if a.HasField("g") else a.graphs)]
+    return [*graph.node, *(node for branch in branches for node in all_nodes(branch))]
 
 
 def save_with_shared_weights(models: dict[str, onnx.ModelProto], directory: Path) -> None:

@@ -77,9 +77,8 @@ def sample_tokens(
     """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B] -> tokens [B, S].
 
     A batch whose rows are all greedy takes only the argmax: the sampling ops over [B, S, V] cost many times
-    the argmax (measured in the README's "How the loop works"). Exported
-    graphs branch with an ONNX `If` (torch.cond); eagerly the host picks the branch (an eager torch.cond
-    would compile its branches first).
+    the argmax (measured in the README's "How the loop works"). Exported graphs branch with an ONNX `If`
+    (torch.cond); eagerly the host picks the branch (an eager torch.cond would compile its branches first).
     """
     operands = (logits, uniforms, temperature, top_k, top_p, candidate_slots)
     any_sampled = (temperature > 0).any()  # [] bool

@@ -13,6 +13,7 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.export import all_nodes
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import MANIFEST, is_complete_repository
 from dflash_trt.plugins.onnx_domain import DOMAIN
@@ -33,12 +34,6 @@ TENSORRT_OPS = {
 }  # fmt: skip
 DFLASH_OPS = {"HiddenStateTap", "BlockDenoise"}
 NUM_PROMPTS, NEW_TOKENS = 20, 64
-
-
-def _nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The graph's nodes and those of its `If` branches (TensorRT parses those too)."""
-    branches = [a.g for node in graph.node for a in node.attribute if a.HasField("g")]
-    return [*graph.node, *(node for branch in branches for node in _nodes(branch))]
 
 
 def _build_command(target: Path, drafter: Path, output: Path) -> list[str]:
@@ -91,7 +86,7 @@ def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_buil
     for name in ("prefill", "step", "decode"):
         onnx.checker.check_model(str(engine_dir / f"{name}.onnx"), full_check=True)
         model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
-        nodes = _nodes(model.graph)
+        nodes = all_nodes(model.graph)  # TensorRT parses If branches too
         standard = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
         custom = {n.op_type for n in nodes if n.domain == DOMAIN}
         assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"

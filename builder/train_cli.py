@@ -80,9 +80,18 @@ def load_or_generate(
     return data
 
 
-def save_checkpoint(path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, step: int) -> None:
+def save_checkpoint(
+    path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, generator: torch.Generator, step: int
+) -> None:
+    """Everything a resumed run needs to continue bit for bit as an uninterrupted one would."""
     partial = path.with_suffix(".partial")
-    torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, partial)
+    state = {
+        "drafter": drafter.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "generator": generator.get_state(),
+        "step": step,
+    }
+    torch.save(state, partial)
     os.replace(partial, path)  # a checkpoint is whole or absent
 
 
@@ -150,11 +159,17 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint_path = args.output / "checkpoint.pt"
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(args.seed)  # draws the training sequences and anchors
     start = 0
     if checkpoint_path.is_file():
         state = torch.load(checkpoint_path)
+        if "generator" not in state:
+            message = f"{checkpoint_path} was written without the sampling state that resuming needs; delete it to start over"
+            print(f"dflash-train: error: {message}", file=sys.stderr)
+            return 2
         drafter.load_state_dict(state["drafter"])
         optimizer.load_state_dict(state["optimizer"])
+        generator.set_state(state["generator"])
         start = int(state["step"])
         log(f"resuming at step {start}")
     began = time.perf_counter()
@@ -173,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"slot-1 acc {sum(r[1] for r in recent) / len(recent):.2f}  ETA {per_step * (args.steps - done) / 60:.1f} min"
             )
         if done % args.save_every == 0:
-            save_checkpoint(checkpoint_path, drafter, optimizer, done)
+            save_checkpoint(checkpoint_path, drafter, optimizer, generator, done)
 
-    train_drafter(drafter, target, examples, settings, on_step, start, optimizer)
-    save_checkpoint(checkpoint_path, drafter, optimizer, args.steps)
+    train_drafter(drafter, target, examples, settings, on_step, start, optimizer, generator)
+    save_checkpoint(checkpoint_path, drafter, optimizer, generator, args.steps)
     save_drafter(drafter, config, args.output, getattr(torch, args.dtype))
     log(f"drafter written to {args.output} ({time.perf_counter() - began:.0f} s of training)")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 
 STDLIB_MODULES = (
@@ -70,7 +71,7 @@ def _function_prompts(name: str, function: object) -> list[str]:
     if not doc or name.startswith("_"):
         return []
     try:
-        signature = str(inspect.signature(function))  # type: ignore[arg-type]
+        signature = stable_signature(function)
     except (TypeError, ValueError):
         return []
     paragraphs = doc.split("\n\n")
@@ -80,6 +81,18 @@ def _function_prompts(name: str, function: object) -> list[str]:
     docstring = "\n\n".join(paragraphs[:2]).replace('"""', "'''").replace("\n", "\n    ")
     stub = f'def {name}{signature}:\n    """{docstring}\n    """\n'
     return [f"Write a Python function `{name}{signature}`: {summary}", CODE_TASK.format(stub=stub)]
+
+
+_OBJECT_REPR = re.compile(r"<(?:function|built-in method|built-in function|bound method) ([\w.]+)[^<>]* at 0x[0-9a-fA-F]+>")
+_ANY_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
+def stable_signature(function: object) -> str:
+    """The signature as text, with default values that are functions named instead of shown with their memory
+    address (`copy_function=<function copy2 at 0x7f...>` -> `copy_function=copy2`): addresses change from process to
+    process, and the prompts, hence the training data, must not."""
+    signature = str(inspect.signature(function))  # type: ignore[arg-type]
+    return _ANY_ADDRESS.sub(">", _OBJECT_REPR.sub(r"\1", signature))
 
 
 def code_prompts() -> list[str]:

@@ -154,8 +154,11 @@ def train_drafter(
     on_step: Callable[[int, float, float], None] | None = None,
     start_step: int = 0,
     optimizer: torch.optim.Optimizer | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.optim.Optimizer:
-    """Train the drafter in place; calls on_step(step, loss, slot-1 accuracy). Resumes from start_step."""
+    """Train the drafter in place; calls on_step(step, loss, slot-1 accuracy) after each step. Resumes from
+    start_step; a resumed run equals an uninterrupted one when `generator` (which draws the sequences and anchors;
+    default: seeded from settings.seed) is in the state it had after step start_step - 1."""
     for param in target.parameters():
         param.requires_grad_(False)
     size = drafter.config.block_size
@@ -163,7 +166,7 @@ def train_drafter(
     if not usable:
         raise ValueError(f"no training sequence is long enough for a block of {size} after its prompt; generate longer responses")
     weights = slot_weights(size, settings.gamma or default_gamma(size))
-    generator = torch.Generator().manual_seed(settings.seed + start_step)
+    generator = generator or torch.Generator().manual_seed(settings.seed)
     optimizer = optimizer or torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     autocast = torch.autocast(
         usable[0].taps.device.type, dtype=settings.compute_dtype, enabled=settings.compute_dtype != torch.float32

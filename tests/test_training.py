@@ -1,13 +1,19 @@
 """dflash-train: batched data generation equals one-prompt-at-a-time greedy decoding, batched taps equal
-single-sequence taps, and the CLI writes a z-lab drafter, resumes from its checkpoint and is reproducible."""
+single-sequence taps, the CLI writes a z-lab drafter, resumes from its checkpoint as if never stopped and is
+reproducible, and its prompts are the same in every process."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from dflash_trt.builder import train_cli
 from dflash_trt.builder.networks import load_drafter, load_target
 from dflash_trt.builder.train_cli import main as dflash_train
 from dflash_trt.builder.training import generate_responses, make_examples
@@ -45,8 +51,18 @@ def _train(target: Path, output: Path, steps: int) -> None:
     assert dflash_train(command) == 0
 
 
+def _stop_after(save_checkpoint: Callable[..., None]) -> Callable[..., None]:
+    """save_checkpoint that saves, then interrupts the run as Ctrl-C would."""
+
+    def save_then_stop(*args: object) -> None:
+        save_checkpoint(*args)
+        raise KeyboardInterrupt
+
+    return save_then_stop
+
+
 def test_cli_writes_a_resumable_reproducible_zlab_drafter(
-    tiny_targets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_targets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = tiny_targets["qwen3"]
     # its word-level tokenizer fills the vocabulary: no mask token can be chosen, and the user is told so
@@ -69,6 +85,15 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     capsys.readouterr()
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
 
+    interrupted = tmp_path / "c"  # stopped after its checkpoint at step 4, then the same command again
+    monkeypatch.setattr(train_cli, "save_checkpoint", _stop_after(train_cli.save_checkpoint))
+    with pytest.raises(KeyboardInterrupt):
+        _train(target, interrupted, 8)
+    monkeypatch.undo()
+    _train(target, interrupted, 8)
+    assert "resuming at step 4" in capsys.readouterr().err
+    assert (interrupted / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
+
     _train(target, tmp_path / "a", 12)  # more steps on the same output: data and checkpoint are reused
     log = capsys.readouterr().err
     assert "reusing 6 generated 'code' responses" in log and "resuming at step 8" in log
@@ -77,3 +102,14 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     assert dflash_train(["--target", str(target), "--output", str(tmp_path / "a"), "--num-prompts", "6",
                          "--max-new-tokens", "32", "--mask-token-id", "95", "--steps", "1"]) == 2  # fmt: skip
     assert "holds 6 responses of 24 new tokens, but this run asks for 6 of 32" in capsys.readouterr().err
+
+
+def test_code_prompts_are_the_same_in_every_process() -> None:
+    """The training data are the target's answers to these prompts, so they must not carry anything that changes
+    between runs, such as the memory address in a default value's repr (`<function copy2 at 0x7f...>`)."""
+    program = "import json; from dflash_trt.builder.train_data import code_prompts; print(json.dumps(code_prompts()))"
+    runs = [subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    assert runs[0] == runs[1]
+    prompts = json.loads(runs[0])
+    assert len(prompts) > 600 and not [p for p in prompts if re.search(r" at 0x[0-9a-f]+>", p)]
+    assert any("copy_function=copy2" in p for p in prompts)

@@ -65,12 +65,18 @@ def load_or_generate(
     prompts = PROMPT_SETS[set_name]()[: num_prompts or None]
     if path.is_file():
         data: dict[str, Any] = torch.load(path)
-        if (data.get("prompts"), data.get("max_new_tokens")) != (prompts, max_new_tokens):
-            same_count = len(data["sequences"]) == len(prompts)
-            other_texts = " to other prompts" if same_count and data.get("prompts") != prompts else ""
+        if (len(data["sequences"]), data.get("max_new_tokens")) != (len(prompts), max_new_tokens):
             raise CheckpointError(
-                f"{path} holds {len(data['sequences'])} responses of {data.get('max_new_tokens')} new tokens{other_texts}, "
+                f"{path} holds {len(data['sequences'])} responses of {data.get('max_new_tokens')} new tokens, "
                 f"but this run asks for {len(prompts)} of {max_new_tokens}; delete it or pass the options it was made with"
+            )
+        if data.get("prompts") != prompts:
+            cached_prompts = data.get("prompts") or [""] * len(prompts)  # data written before prompts were recorded
+            differing = [i for i, (a, b) in enumerate(zip(cached_prompts, prompts, strict=True)) if a != b]
+            first = differing[0]
+            raise CheckpointError(
+                f"{path} answers other '{set_name}' prompts than this dflash-train makes ({len(differing)} of "
+                f"{len(prompts)} differ; the first is #{first}: {prompts[first][:80]!r}); delete it to generate them anew"
             )
         log(f"reusing {len(data['sequences'])} generated '{set_name}' responses from {path}")
         return data

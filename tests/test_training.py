@@ -102,6 +102,12 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     assert dflash_train(["--target", str(target), "--output", str(tmp_path / "a"), "--num-prompts", "6",
                          "--max-new-tokens", "32", "--mask-token-id", "95", "--steps", "1"]) == 2  # fmt: skip
     assert "holds 6 responses of 24 new tokens, but this run asks for 6 of 32" in capsys.readouterr().err
+    cached = torch.load(tmp_path / "a" / "data-code.pt")  # ... nor one made from other prompts (older code, say)
+    cached["prompts"][2] += " (an older wording)"
+    torch.save(cached, tmp_path / "a" / "data-code.pt")
+    assert dflash_train(["--target", str(target), "--output", str(tmp_path / "a"), "--num-prompts", "6",
+                         "--max-new-tokens", "24", "--mask-token-id", "95", "--steps", "1"]) == 2  # fmt: skip
+    assert "answers other 'code' prompts than this dflash-train makes (1 of 6 differ; the first is #2" in capsys.readouterr().err
 
 
 def test_code_prompts_are_the_same_in_every_process() -> None:

@@ -166,7 +166,8 @@ def train_drafter(
     if not usable:
         raise ValueError(f"no training sequence is long enough for a block of {size} after its prompt; generate longer responses")
     weights = slot_weights(size, settings.gamma or default_gamma(size))
-    generator = generator or torch.Generator().manual_seed(settings.seed)
+    if generator is None:
+        generator = torch.Generator().manual_seed(settings.seed)
     optimizer = optimizer or torch.optim.AdamW(drafter.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     autocast = torch.autocast(
         usable[0].taps.device.type, dtype=settings.compute_dtype, enabled=settings.compute_dtype != torch.float32

@@ -11,7 +11,7 @@ import torch
 from dflash_trt.builder.checkpoints import CheckpointError
 from dflash_trt.builder.drafter_init import untrained_drafter_dir
 from dflash_trt.builder.export import export_engines_onnx
-from dflash_trt.builder.graphs import DFlashGraphs
+from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, resolve_pair
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import (
@@ -24,7 +24,6 @@ from dflash_trt.builder.repository import (
     write_templates,
 )
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
-from dflash_trt.runtime.engine import EngineSpec
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from transformers import AutoTokenizer
 
@@ -89,7 +88,7 @@ def build(args: argparse.Namespace) -> Path:
     target, drafter = load_pair(target_dir, drafter_dir, dtype)
     block_size = args.block_size or drafter.config.block_size
     _check_limits(args, block_size, target.config.max_position_embeddings)
-    spec = EngineSpec.of(target, drafter, block_size, args.max_seq_len)
+    spec = engine_spec(target, drafter, block_size, args.max_seq_len, args.max_batch_size)
     settings = SessionSettings(intra_op_threads=args.threads)
     values = {
         "engine_dir": ENGINE_DIR,
@@ -101,24 +100,15 @@ def build(args: argparse.Namespace) -> Path:
         copy_tokenizer(target_dir, repo)
         engine_dir = repo / "dflash" / "1" / ENGINE_DIR
         engine_dir.mkdir(parents=True)
-        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size).eval(), engine_dir)
+        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size).eval(), spec, engine_dir)
         if backend == "tensorrt":
             for path in paths:
-                build_plan(
-                    path,
-                    path.with_suffix(".plan"),
-                    path.stem,
-                    args.max_batch_size,
-                    args.max_seq_len,
-                    spec.cache_slots,
-                    spec.vocab_size,
-                )
+                build_plan(path, path.with_suffix(".plan"), path.stem, spec)
         print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
         write_manifest(repo, {
             "backend": backend,
             "engine": spec.to_json(),
             "session": asdict(settings),
-            "max_batch_size": args.max_batch_size,
             "tap_layer_ids": list(drafter.config.target_layer_ids),
             "eos_token_ids": list(target.config.eos_token_ids),
             "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir)},

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import onnx
 import torch
-from dflash_trt.builder.graphs import GRAPHS, DFlashGraphs, graph_module, graph_outputs
+from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.plugins import block_denoise, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
+from dflash_trt.runtime.engine import EngineSpec
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from torch.export import Dim
 
 WEIGHTS_FILE = "weights.bin"
@@ -25,36 +27,48 @@ INLINE_BYTES = 1024  # smaller tensors stay inside the graph
 ALIGNMENT = 4096
 
 
-def example_inputs(graphs: DFlashGraphs, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
-    """Example inputs (batch 2, prompt 7, cache 9 rows, 3 candidates) and their dynamic axes for one graph."""
-    t, d = graphs.target.config, graphs.drafter.config
-    dtype, size = graphs.target.embed_tokens.weight.dtype, graphs.block_size
-    batch, prompt, rows, cands = Dim("batch", min=1, max=1024), Dim("prompt", min=2), Dim("rows", min=2), Dim("candidates", min=1)
-    params = (torch.tensor([0.0, 0.7]), torch.tensor([0, 3]), torch.tensor([1.0, 0.9]), torch.zeros(3, dtype=torch.long))
-    param_axes: tuple[dict[int, Dim], ...] = ({0: batch}, {0: batch}, {0: batch}, {0: cands})
-    # Each cache input gets its own tensor: export treats one tensor passed twice as one aliased input.
-    target_shape, draft_shape = (t.num_layers, 2, 9, t.num_kv_heads, t.head_dim), (d.num_layers, 2, 9, d.num_kv_heads, d.head_dim)
-    past_k, past_v = torch.zeros(target_shape, dtype=dtype), torch.zeros(target_shape, dtype=dtype)
-    past_ctx_k, past_ctx_v = torch.zeros(draft_shape, dtype=dtype), torch.zeros(draft_shape, dtype=dtype)
-    past_axes = {1: batch, 2: rows}
-    if name == "prefill":
-        return (torch.ones(2, 7, dtype=torch.long), torch.rand(2, 1), *params), ({0: batch, 1: prompt}, {0: batch}, *param_axes)
-    if name == "step":
-        inputs = (torch.ones(2, size, dtype=torch.long), torch.tensor([7, 9]), torch.rand(2, size), *params)
-        return (*inputs, past_k, past_v, past_ctx_k, past_ctx_v), (
-            {0: batch},
-            {0: batch},
-            {0: batch},
-            *param_axes,
-            *[past_axes] * 4,
-        )
-    inputs = (torch.ones(2, dtype=torch.long), torch.tensor([7, 9]), torch.rand(2, 1), *params)
-    return (*inputs, past_k, past_v), ({0: batch}, {0: batch}, {0: batch}, *param_axes, past_axes, past_axes)
+# Example sizes for tracing: all different from each other (and from 0 and 1), so that no two axes get unified.
+EXAMPLE_SIZES = {"batch": 3, "verify": 5, "sampled": 2, "candidates": 4, "rows": 9, "slots": 6, "prompt": 7, "positions": 24}
+AXIS_RANGES = {"batch": (1, 1024), "verify": (1, 64), "sampled": (0, 1024), "candidates": (1, None), "rows": (1, None),
+               "slots": (1, None), "prompt": (1, None), "positions": (2, None)}  # fmt: skip
 
 
-def export_graph(graphs: DFlashGraphs, name: str) -> onnx.ModelProto:
+def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
+    """Example inputs for one graph, built from its schema, and their dynamic axes."""
+    dims = {axis: Dim(axis, min=low, max=high) if high else Dim(axis, min=low) for axis, (low, high) in AXIS_RANGES.items()}
+    values = {
+        "start": torch.tensor([7, 9, 4]),
+        "slots": torch.tensor([5, 0, 2]),
+        "sampled_rows": torch.tensor([2, 0]),
+        "temperature": torch.tensor([0.7, 0.0, 1.0]),
+        "top_k": torch.tensor([0, 3, 0]),
+        "top_p": torch.tensor([0.9, 1.0, 1.0]),
+    }
+    inputs, axes = [], []
+    for tensor in graph_inputs(name, spec.states):
+        if tensor.dtype == "state":
+            state = next(s for s in spec.states if s.name == tensor.name)
+            inputs.append(
+                torch.zeros(
+                    (state.layers, EXAMPLE_SIZES["slots"], EXAMPLE_SIZES["positions"], *state.shape[1:]), dtype=spec.torch_dtype
+                )
+            )
+            axes.append({1: dims["slots"], 2: dims["positions"]})
+            continue
+        shape = tuple(int(a) if a.isdigit() else EXAMPLE_SIZES[a] for a in tensor.axes)
+        if tensor.name in values:
+            inputs.append(values[tensor.name])
+        elif tensor.dtype == "float32":
+            inputs.append(torch.rand(shape))
+        else:
+            inputs.append(torch.ones(shape, dtype=torch.long))
+        axes.append({i: dims[a] for i, a in enumerate(tensor.axes) if not a.isdigit()})
+    return tuple(inputs), tuple(axes)
+
+
+def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.ModelProto:
     """Trace one fused graph to ONNX (opset 20 + the dflash domain) and attach the dflash function bodies."""
-    inputs, axes = example_inputs(graphs, name)
+    inputs, axes = example_inputs(spec, name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter
         program = torch.onnx.export(
@@ -63,7 +77,8 @@ def export_graph(graphs: DFlashGraphs, name: str) -> onnx.ModelProto:
             dynamo=True,
             opset_version=ONNX_OPSET,
             dynamic_shapes=axes,
-            output_names=list(graph_outputs(name)),
+            input_names=[t.name for t in graph_inputs(name, spec.states)],
+            output_names=[t.name for t in graph_outputs(name, spec.states)],
             verbose=False,
         )
     assert program is not None
@@ -131,14 +146,16 @@ def _point_to(tensor: onnx.TensorProto, offset: int, length: int) -> None:
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def export_engines_onnx(graphs: DFlashGraphs, directory: Path, log: Callable[[str], None] | None = None) -> list[Path]:
-    """Export prefill, step and decode into `directory` (which must exist); returns the graph paths."""
+def export_engines_onnx(
+    graphs: DFlashGraphs, spec: EngineSpec, directory: Path, log: Callable[[str], None] | None = None
+) -> list[Path]:
+    """Export every graph of GRAPH_NAMES into `directory` (which must exist); returns the graph paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
     models = {}
-    for name in GRAPHS:
+    for name in GRAPH_NAMES:
         began = time.perf_counter()
         say(f"[dflash-build] exporting the {name} graph to ONNX ...")
-        models[name] = export_graph(graphs, name)
+        models[name] = export_graph(graphs, spec, name)
         say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
     save_with_shared_weights(models, directory)
     return [directory / f"{name}.onnx" for name in models]

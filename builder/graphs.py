@@ -1,55 +1,46 @@
-"""The fused graphs that become engines: prefill, step (the in-engine draft-verify loop body) and plain decode.
+"""The fused graphs that become engines: prefill, step (the in-engine draft-verify loop body), verify and decode.
 
 prefill: prompt -> target (last logits, taps) -> first token -> draft-context rows -> first draft block
 step:    block -> target verify -> sample every slot -> accept -> draft-context rows -> next draft block
-decode:  one token -> target -> next token (the plain-decoding baseline on the same engine)
+verify:  the same without drafting (DFlash verifying nothing: the next block is the bonus token alone)
+decode:  block -> target -> tokens (plain decoding on the same engine: no taps, no draft context)
 
-Caches are position-indexed and functional: a graph reads the first T rows of each cache (T = the largest
-start in the batch) and returns only the rows it computed, which the runtime writes into its static cache
-(TensorRT can alias them in place). Rows past a sequence's committed length are stale and masked by position.
-Every graph runs eagerly as the torch reference engine and exports to ONNX unchanged.
+Inputs and outputs are those of `runtime.graph_io` (one schema for export, runners and profiles). Step-like
+graphs read the engine's state pool by slot and position, and return only the rows they computed, which the
+engine writes into the pool in place. Rows past a sequence's committed length are stale and masked by
+position. Every graph runs eagerly as the torch reference engine and exports to ONNX unchanged.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import NamedTuple
-
 import torch
 from dflash_trt.builder.layers import write_rows
-from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork, draft_logits
+from dflash_trt.builder.networks import DrafterNetwork, PooledPast, StackedPast, TargetNetwork, draft_logits
+from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
+from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.sampling import accepted_prefix_length, sample_tokens
+from dflash_trt.runtime.states import attention_states
 from torch import nn
 
-
-class PrefillOutput(NamedTuple):
-    first_token: torch.Tensor  # [B]
-    next_block: torch.Tensor  # [B, S]: [first_token, drafts...] at positions P..P+S-1
-    k: torch.Tensor  # [L, B, P, Hkv, D] target cache rows 0..P-1
-    v: torch.Tensor
-    ctx_k: torch.Tensor  # [Ld, B, P, Hkv, D] draft-context rows 0..P-1
-    ctx_v: torch.Tensor
+Outputs = tuple[torch.Tensor, ...]
 
 
-class StepOutput(NamedTuple):
-    target_tokens: torch.Tensor  # [B, S]: the target's choice at every slot; emit slots 0..accept_len
-    accept_len: torch.Tensor  # [B]
-    next_block: torch.Tensor  # [B, S] at positions next_start..
-    next_start: torch.Tensor  # [B] = start + accept_len + 1
-    k: torch.Tensor  # [L, B, S, Hkv, D] target cache rows start..start+S-1
-    v: torch.Tensor
-    ctx_k: torch.Tensor  # [Ld, B, S, Hkv, D] draft-context rows start..start+S-1
-    ctx_v: torch.Tensor
-
-
-class DecodeOutput(NamedTuple):
-    next_token: torch.Tensor  # [B]
-    k: torch.Tensor  # [L, B, 1, Hkv, D] target cache row at `position`
-    v: torch.Tensor
+def engine_spec(
+    target: TargetNetwork, drafter: DrafterNetwork, block_size: int, max_seq_len: int, max_batch_size: int
+) -> EngineSpec:
+    """The engine description of a loaded pair: sizes and its states (attention K/V of the target, draft context)."""
+    t, d = target.config, drafter.config
+    dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
+    positions = max_seq_len + block_size  # a verify block may write up to block_size - 1 rows past the last token
+    states = (
+        *attention_states("target", t.num_layers, positions, t.num_kv_heads, t.head_dim, dtype),
+        *attention_states("draft", d.num_layers, positions, d.num_kv_heads, d.head_dim, dtype),
+    )
+    return EngineSpec(block_size, max_seq_len, max_batch_size, t.vocab_size, d.mask_token_id, dtype, states)
 
 
 class DFlashGraphs(nn.Module):
-    """Target + drafter; the three graph bodies are methods, wrapped as modules for export below."""
+    """Target + drafter; the graph bodies are methods, wrapped as modules for export below."""
 
     def __init__(self, target: TargetNetwork, drafter: DrafterNetwork, block_size: int) -> None:
         super().__init__()
@@ -65,7 +56,11 @@ class DFlashGraphs(nn.Module):
         block = torch.cat([first_token[:, None], masks[:, 1:]], dim=1)  # [B, S]
         embeds = self.target.embed_tokens(block) * self.drafter.config.input_embedding_scale  # the target's table
         hidden = self.drafter(embeds.to(ctx_k.dtype), start[:, None] + offsets, ctx_k, ctx_v, start)
-        logits = draft_logits(hidden[:, 1:], self.target.lm_head.weight.to(hidden.dtype), self.drafter.config)
+        lm_head = self.target.lm_head.weight.to(hidden.dtype)
+        if self.drafter.config.output_multiplier > 0:  # scaling and softcapping keep the argmax: skip them
+            logits = torch.nn.functional.linear(hidden[:, 1:], lm_head)
+        else:
+            logits = draft_logits(hidden[:, 1:], lm_head, self.drafter.config)
         return torch.cat([first_token[:, None], logits.argmax(dim=-1)], dim=1)  # slot j predicts the token at slot j
 
     def prefill(
@@ -75,73 +70,125 @@ class DFlashGraphs(nn.Module):
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
+        sampled_rows: torch.Tensor,
         candidate_slots: torch.Tensor,
-    ) -> PrefillOutput:
+    ) -> Outputs:
         """input_ids: [B, P] (positions 0..P-1), uniforms: [B, 1]."""
         batch, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device)[None, :].expand(batch, -1)  # [B, P]
-        empty_k, empty_v = self._empty_target_cache(batch, input_ids.device)
-        out = self.target(input_ids, positions, empty_k, empty_v, logits_to_keep=1)
-        first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, candidate_slots)[:, 0]  # [B]
+        out = self.target(input_ids, positions, self._no_past(batch, input_ids.device), logits_to_keep=1)
+        first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D]
-        start = torch.full_like(first, length)
-        return PrefillOutput(first, self.draft_block(first, start, ctx_k, ctx_v), out.k, out.v, ctx_k, ctx_v)
+        next_block = self.draft_block(first, torch.full_like(first, length), ctx_k, ctx_v)
+        return first, next_block, out.k, out.v, ctx_k, ctx_v
 
     def step(
         self,
         block: torch.Tensor,
         start: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
         uniforms: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
+        sampled_rows: torch.Tensor,
         candidate_slots: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
-        past_ctx_k: torch.Tensor,
-        past_ctx_v: torch.Tensor,
-    ) -> StepOutput:
-        """block: [B, S] at positions start..start+S-1; uniforms: [B, S]; past_*: [L, B, T, Hkv, D] with T >= start."""
-        positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, S]
-        out = self.target(block, positions, past_k, past_v)  # verify: logits [B, S, V]
-        target_tokens = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, candidate_slots)
-        accept_len = accepted_prefix_length(block[:, 1:], target_tokens)  # [B]
-        # Tap every slot; rows past the accepted ones are invisible (>= next_start) and get overwritten later.
-        ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, S, Hkv, D]
-        next_start = start + accept_len + 1
-        bonus = target_tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
-        next_block = self.draft_block(
-            bonus, next_start, write_rows(past_ctx_k, ctx_k, positions), write_rows(past_ctx_v, ctx_v, positions)
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+        draft_k: torch.Tensor,
+        draft_v: torch.Tensor,
+    ) -> Outputs:
+        """block: [B, V] at positions start..start+V-1; uniforms: [B, V]; states: the pool [L, N, T, Hkv, D]."""
+        sampling = (temperature, top_k, top_p, sampled_rows, candidate_slots)
+        tokens, accept_len, next_start, target_rows, ctx_rows = self._verify(
+            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
         )
-        return StepOutput(target_tokens, accept_len, next_block, next_start, out.k, out.v, ctx_k, ctx_v)
+        # The drafter sees its context rows up to next_start: the pool's rows < start, then this block's accepted ones.
+        past = PooledPast(draft_k, draft_v, slots, visible_rows.shape[0]).stacked()  # [Ld, B, R, Hkv, D]
+        positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
+        ctx_k = write_rows(past.k, ctx_rows[0], positions)  # [Ld, B, R + V, Hkv, D]
+        ctx_v = write_rows(past.v, ctx_rows[1], positions)
+        bonus = tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
+        next_block = self.draft_block(bonus, next_start, ctx_k, ctx_v)
+        return tokens, accept_len, next_block, next_start, *target_rows, *ctx_rows
+
+    def verify(
+        self,
+        block: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
+        uniforms: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        sampled_rows: torch.Tensor,
+        candidate_slots: torch.Tensor,
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+    ) -> Outputs:
+        """The step without drafting: next_block is the bonus token [B, 1]; the draft context still grows."""
+        sampling = (temperature, top_k, top_p, sampled_rows, candidate_slots)
+        tokens, accept_len, next_start, target_rows, ctx_rows = self._verify(
+            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
+        )
+        bonus = tokens.gather(1, accept_len[:, None])  # [B, 1]
+        return tokens, accept_len, bonus, next_start, *target_rows, *ctx_rows
 
     def decode(
         self,
-        token: torch.Tensor,
-        position: torch.Tensor,
+        block: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
         uniforms: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
+        sampled_rows: torch.Tensor,
         candidate_slots: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
-    ) -> DecodeOutput:
-        """token, position: [B]; uniforms: [B, 1]; past_k/v: [L, B, T, Hkv, D] with T >= position."""
-        out = self.target(token[:, None], position[:, None], past_k, past_v)
-        next_token = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, candidate_slots)[:, 0]
-        return DecodeOutput(next_token, out.k, out.v)
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+    ) -> Outputs:
+        """Plain decoding (block [B, 1] in practice): the target alone, no taps."""
+        positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
+        out = self.target(block, positions, PooledPast(target_k, target_v, slots, visible_rows.shape[0]))
+        tokens = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)
+        accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
+        bonus = tokens.gather(1, accept_len[:, None])  # [B, 1]
+        return tokens, accept_len, bonus, start + accept_len + 1, out.k, out.v
 
-    def _empty_target_cache(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify(
+        self,
+        block: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
+        uniforms: torch.Tensor,
+        sampling: tuple[torch.Tensor, ...],
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """Verify, sample every slot, accept, tap: (tokens [B, V], accept_len [B], next_start [B], target rows, ctx rows)."""
+        positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
+        out = self.target(block, positions, PooledPast(target_k, target_v, slots, visible_rows.shape[0]))
+        tokens = sample_tokens(out.logits, uniforms, *sampling)  # [B, V]
+        accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
+        # Tap every slot; rows past the accepted ones are invisible (>= next_start) and get overwritten later.
+        ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, V, Hkv, D]
+        return tokens, accept_len, start + accept_len + 1, (out.k, out.v), (ctx_k, ctx_v)
+
+    def _no_past(self, batch: int, device: torch.device) -> StackedPast:
         c = self.target.config
         empty = torch.zeros(
             c.num_layers, batch, 0, c.num_kv_heads, c.head_dim, dtype=self.target.embed_tokens.weight.dtype, device=device
         )
-        return empty, empty
+        return StackedPast(empty, empty)
 
 
 class PrefillGraph(DFlashGraphs):
-    """Export entry: forward is `prefill` (its parameter names become the ONNX input names)."""
+    """Export entry: forward is `prefill`."""
 
     forward = DFlashGraphs.prefill
 
@@ -150,26 +197,42 @@ class StepGraph(DFlashGraphs):
     forward = DFlashGraphs.step
 
 
+class VerifyGraph(DFlashGraphs):
+    forward = DFlashGraphs.verify
+
+
 class DecodeGraph(DFlashGraphs):
     forward = DFlashGraphs.decode
 
 
-GRAPHS: dict[str, tuple[type[DFlashGraphs], type[tuple]]] = {
-    "prefill": (PrefillGraph, PrefillOutput),
-    "step": (StepGraph, StepOutput),
-    "decode": (DecodeGraph, DecodeOutput),
+GRAPH_MODULES: dict[str, type[DFlashGraphs]] = {
+    "prefill": PrefillGraph,
+    "step": StepGraph,
+    "verify": VerifyGraph,
+    "decode": DecodeGraph,
 }
-
-
-def graph_inputs(name: str) -> tuple[str, ...]:
-    """Input names of a graph: the parameters of its DFlashGraphs method."""
-    return tuple(inspect.signature(getattr(DFlashGraphs, name)).parameters)[1:]  # without self
-
-
-def graph_outputs(name: str) -> tuple[str, ...]:
-    return tuple(GRAPHS[name][1]._fields)  # type: ignore[attr-defined]
+assert tuple(GRAPH_MODULES) == GRAPH_NAMES
 
 
 def graph_module(graphs: DFlashGraphs, name: str) -> DFlashGraphs:
     """The same target and drafter behind one graph's forward, for export."""
-    return GRAPHS[name][0](graphs.target, graphs.drafter, graphs.block_size).eval()
+    return GRAPH_MODULES[name](graphs.target, graphs.drafter, graphs.block_size).eval()
+
+
+def torch_engine(
+    target: TargetNetwork, drafter: DrafterNetwork, max_seq_len: int, block_size: int | None = None, max_batch: int = 1
+) -> GraphEngine:
+    """The torch reference engine for a loaded pair, with a pool of `max_batch` slots."""
+    if tuple(target.tap_layer_ids) != tuple(drafter.config.target_layer_ids):
+        raise ValueError(
+            f"target taps {target.tap_layer_ids} != drafter target_layer_ids {drafter.config.target_layer_ids}; "
+            "load the pair with load_pair()"
+        )
+    if not 0 < max_seq_len <= target.config.max_position_embeddings:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} must be in [1, {target.config.max_position_embeddings}] "
+            "(the target's max_position_embeddings)"
+        )
+    size = block_size or drafter.config.block_size
+    spec = engine_spec(target, drafter, size, max_seq_len, max_batch)
+    return GraphEngine(TorchRunner(DFlashGraphs(target, drafter, size), spec), spec)

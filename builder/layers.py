@@ -81,16 +81,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax attention with grouped K/V heads.
+    """Softmax attention with grouped K/V heads, the G query heads of a K/V head folded into its query axis
+    (query head h reads K/V head h // G), so K and V are never repeated.
 
     q: [B, S, H, D]; k, v: [B, T, Hkv, D]; visible: [B, S, T] bool -> [B, S, H*D]
     """
-    groups = q.shape[2] // k.shape[2]
-    q_t = q.transpose(1, 2)  # [B, H, S, D]
-    k_t = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, H, T, D]
-    v_t = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=visible[:, None], scale=scale)
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    q_t = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
+    q_t = q_t.reshape(batch, kv_heads, groups * length, head_dim)
+    mask = visible[:, None, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * length, -1)  # [B, 1, G*S, T]
+    out = F.scaled_dot_product_attention(q_t, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    out = out.reshape(batch, kv_heads, groups, length, head_dim).permute(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]
+    return out.reshape(batch, length, heads * head_dim)
 
 
 def write_rows(past: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

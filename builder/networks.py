@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -31,16 +31,60 @@ from dflash_trt.builder.layers import (
     masked_attention,
     rope_inverse_frequencies,
     rotary_cos_sin,
-    write_rows,
 )
 from dflash_trt.plugins.block_denoise import block_denoise
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap
 from torch import nn
 
 
+class PastKV(Protocol):
+    """Position-indexed K/V of earlier tokens, per layer: row t holds position t; rows at or past a sequence's
+    block start are stale (the attention masks them)."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, R, Hkv, D], same) for layer `index`."""
+        ...
+
+
+@dataclass
+class StackedPast:
+    """Past K/V held as stacked tensors: k, v [L, B, R, Hkv, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index], self.v[index]
+
+
+@dataclass
+class PooledPast:
+    """Past K/V read straight from an engine's state pool [L, N slots, T, Hkv, D]: the first `rows` positions of
+    each sequence's slot, one Gather per layer (nothing else is copied)."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    slots: torch.Tensor  # [B]
+    rows: int  # R <= T (a symbolic size when exported)
+
+    def row_index(self, layers: torch.Tensor) -> torch.Tensor:
+        """layers: [L'] -> flat row numbers [L', B, R] into the pool seen as [L*N*T, Hkv, D]."""
+        slots_per_layer, positions = self.k_pool.shape[1], self.k_pool.shape[2]
+        sequence = layers[:, None] * slots_per_layer + self.slots[None, :]  # [L', B]
+        return sequence[:, :, None] * positions + torch.arange(self.rows, device=self.slots.device)  # [L', B, R]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.row_index(torch.tensor([index], device=self.slots.device))[0]  # [B, R]
+        return self.k_pool.flatten(0, 2)[rows], self.v_pool.flatten(0, 2)[rows]
+
+    def stacked(self) -> StackedPast:
+        rows = self.row_index(torch.arange(self.k_pool.shape[0], device=self.slots.device))  # [L, B, R]
+        return StackedPast(self.k_pool.flatten(0, 2)[rows], self.v_pool.flatten(0, 2)[rows])
+
+
 @dataclass
 class KVCache:
-    """Static cache indexed by position: row t of a sequence holds the K/V of its token at position t."""
+    """Static cache indexed by position (training and tests): row t of a sequence holds its token at position t."""
 
     k: torch.Tensor  # [L, B, T, Hkv, D]
     v: torch.Tensor  # [L, B, T, Hkv, D]
@@ -50,19 +94,24 @@ class KVCache:
         shape = (num_layers, batch, slots, kv_heads, head_dim)
         return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
 
-    @property
-    def slots(self) -> int:
-        return self.k.shape[2]
-
-    def past(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `rows` positions of every layer: ([L, B, rows, Hkv, D], same)."""
-        return self.k[:, :, :rows], self.v[:, :, :rows]
+    def past(self, rows: int) -> StackedPast:
+        """The first `rows` positions of every layer."""
+        return StackedPast(self.k[:, :, :rows], self.v[:, :, :rows])
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows in place: positions [B, S]; k, v: [L, B, S, Hkv, D]."""
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
-        self.k[:, rows, positions] = k.to(self.k.dtype)
-        self.v[:, rows, positions] = v.to(self.v.dtype)
+        batch_rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
+        self.k[:, batch_rows, positions] = k.to(self.k.dtype)
+        self.v[:, batch_rows, positions] = v.to(self.v.dtype)
+
+
+def past_visibility(positions: torch.Tensor, past_rows: int) -> torch.Tensor:
+    """positions: [B, S] contiguous from each row's start -> visible [B, S, R + S] over [past rows ; new rows]:
+    past row t is visible iff t < start (later rows are stale), new rows causally."""
+    batch, length = positions.shape
+    past = torch.arange(past_rows, device=positions.device)[None, None, :] < positions[:, :1, None]  # [B, 1, R]
+    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()  # [S, S]
+    return torch.cat([past.expand(batch, length, past_rows), causal.expand(batch, length, length)], dim=-1)
 
 
 class TargetOutput(NamedTuple):
@@ -89,20 +138,18 @@ class TargetAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
+        visible: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, S, E] at positions [B, S]; past_k/v: [B, T, Hkv, D] position-indexed -> (out, k, v [B, S, Hkv, D])."""
+        """x: [B, S, E]; visible: [B, S, R + S]; past_k/v: [B, R, Hkv, D] position-indexed -> (out, k, v [B, S, Hkv, D])."""
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = write_rows(past_k, k, positions), write_rows(past_v, v, positions)  # [B, T+S, Hkv, D]
-        key_positions = torch.arange(keys.shape[1], device=x.device)
-        visible = key_positions[None, None, :] <= positions[:, :, None]  # causal by position; stale rows lie ahead
+        keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # [B, R+S, Hkv, D]
         out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
         return self.o_proj(out), k, v
 
@@ -122,11 +169,11 @@ class TargetLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        positions: torch.Tensor,
+        visible: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, positions, past_k, past_v)
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, visible, past_k, past_v)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -157,18 +204,21 @@ class TargetNetwork(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        past_k: torch.Tensor,
-        past_v: torch.Tensor,
+        past: PastKV,
         logits_to_keep: int = 0,
     ) -> TargetOutput:
-        """input_ids, positions: [B, S]; past_k/v: [L, B, T, Hkv, D] position-indexed (T may be 0)."""
+        """input_ids, positions: [B, S] (contiguous per row); past: R position-indexed rows per layer (R may be 0)."""
         x = self.embed_tokens(input_ids)  # [B, S, E]
         cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        visible: torch.Tensor | None = None
         taps: dict[int, torch.Tensor] = {}
         new_k, new_v = [], []
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            x, k, v = layer(x, cos, sin, positions, past_k[index], past_v[index])
+            past_k, past_v = past.layer(index)
+            if visible is None:
+                visible = past_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
+            x, k, v = layer(x, cos, sin, visible, past_k, past_v)
             new_k.append(k)
             new_v.append(v)
             if index in self.tap_layer_ids and index != last:

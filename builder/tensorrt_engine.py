@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import onnx
-from dflash_trt.builder.graphs import graph_inputs
 from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION
 from dflash_trt.plugins.tensorrt_plugins import register_tensorrt_plugins
+from dflash_trt.runtime.engine import EngineSpec
+from dflash_trt.runtime.graph_io import graph_inputs
 
 try:
     import tensorrt as trt
@@ -63,27 +64,27 @@ def plugin_ready_onnx(onnx_path: Path, output_path: Path) -> None:
     onnx.save(model, str(output_path))  # external data keeps pointing at the shared weights file
 
 
-def input_ranges(name: str) -> dict[str, tuple[str, ...]]:
-    """Which axes of each input are dynamic: map input -> axis names, in the order of the input's dims."""
-    batch, prompt, rows, cands = "batch", "prompt", "rows", "candidates"
-    axes: dict[str, dict[str, tuple[str, ...]]] = {
-        "prefill": {"input_ids": (batch, prompt), "uniforms": (batch, "1")},
-        "step": {"block": (batch, "block"), "start": (batch,), "uniforms": (batch, "block")},
-        "decode": {"token": (batch,), "position": (batch,), "uniforms": (batch, "1")},
-    }
-    shared = {"temperature": (batch,), "top_k": (batch,), "top_p": (batch,), "candidate_slots": (cands,)}
-    caches = {key: ("L", batch, rows, "H", "D") for key in graph_inputs(name) if key.startswith("past_")}
-    return {**axes[name], **shared, **caches}
-
-
-def axis_bounds(max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int) -> dict[str, tuple[int, int, int]]:
-    """(min, opt, max) per named dynamic axis."""
+def axis_bounds(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
+    """(min, opt, max) per named dynamic axis of the graph schema."""
     return {
-        "batch": (1, 1, max_batch),
-        "prompt": (1, min(256, max_seq_len), max_seq_len),
-        "rows": (1, min(512, cache_slots), cache_slots),
-        "candidates": (1, 1, min(vocab_size, TOPK_LIMIT)),
+        "batch": (1, 1, spec.max_batch_size),
+        "sampled": (0, 0, spec.max_batch_size),
+        "prompt": (1, min(256, spec.max_seq_len), spec.max_seq_len),
+        "verify": (1, spec.block_size, spec.block_size),
+        "rows": (1, min(512, spec.positions), spec.positions),
+        "candidates": (1, 1, min(spec.vocab_size, TOPK_LIMIT)),
+        "slots": (spec.max_batch_size,) * 3,  # the pool is allocated once for --max-batch-size
+        "positions": (spec.positions,) * 3,
     }
+
+
+def input_dims(name: str, spec: EngineSpec) -> dict[str, list[tuple[int, int, int]]]:
+    """(min, opt, max) of every axis of every input of one graph, from the graph schema."""
+    bounds = axis_bounds(spec)
+    dims = {}
+    for tensor in graph_inputs(name, spec.states):
+        dims[tensor.name] = [bounds[a] if a in bounds else (int(a),) * 3 for a in tensor.axes]
+    return dims
 
 
 def _progress_monitor(log_prefix: str) -> trt.IProgressMonitor:
@@ -105,9 +106,7 @@ def _progress_monitor(log_prefix: str) -> trt.IProgressMonitor:
     return Progress()
 
 
-def build_plan(
-    onnx_path: Path, plan_path: Path, name: str, max_batch: int, max_seq_len: int, cache_slots: int, vocab_size: int
-) -> None:
+def build_plan(onnx_path: Path, plan_path: Path, name: str, spec: EngineSpec) -> None:
     """Parse one exported graph and write its serialized TensorRT plan (strongly typed: the ONNX dtypes rule)."""
     require_tensorrt()
     register_tensorrt_plugins()  # the dflash nodes' plugins, with their kernels compiled ahead of time
@@ -124,12 +123,10 @@ def build_plan(
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE_BYTES)
     config.progress_monitor = _progress_monitor(f"[dflash-build] tensorrt {name}:")
     profile = builder.create_optimization_profile()
-    bounds = axis_bounds(max_batch, max_seq_len, cache_slots, vocab_size)
-    ranges = input_ranges(name)
+    ranges = input_dims(name, spec)
     for index in range(network.num_inputs):
         tensor = network.get_input(index)
-        shape = tensor.shape
-        dims = [bounds[axis] if axis in bounds else (shape[i],) * 3 for i, axis in enumerate(ranges[tensor.name])]
+        dims = ranges[tensor.name]
         low, opt, high = (trt.Dims([d[k] for d in dims]) for k in range(3))
         profile.set_shape(tensor.name, low, opt, high)
     config.add_optimization_profile(profile)

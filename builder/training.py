@@ -48,7 +48,7 @@ def generate_responses(
         tokens[row, : len(prompt)] = torch.tensor(prompt)
     cache = target.allocate_cache(len(prompts), end)
     positions = torch.arange(start).expand(len(prompts), -1)
-    out = target(tokens[:, :start], positions, *cache.past(0), logits_to_keep=1)
+    out = target(tokens[:, :start], positions, cache.past(0), logits_to_keep=1)
     cache.write(positions, out.k, out.v)
     for position in range(start, end):
         logits = out.logits[:, -1].float()  # [N, V]: the prediction for this position
@@ -59,7 +59,7 @@ def generate_responses(
         tokens[:, position] = torch.where(position < lengths, tokens[:, position], predicted)  # prompt rows stay forced
         if position + 1 < end:
             step_positions = torch.full((len(prompts), 1), position)
-            out = target(tokens[:, position : position + 1], step_positions, *cache.past(position), logits_to_keep=1)
+            out = target(tokens[:, position : position + 1], step_positions, cache.past(position), logits_to_keep=1)
             cache.write(step_positions, out.k, out.v)
     return [tokens[row, : length + max_new_tokens].clone() for row, length in enumerate(lengths.tolist())]
 
@@ -85,7 +85,7 @@ def make_examples(
         for row, tokens in enumerate(batch):
             ids[row, : tokens.shape[0]] = tokens
         positions = torch.arange(longest).expand(len(batch), -1)
-        taps = target(ids, positions, *target.allocate_cache(len(batch), 0).past(0), logits_to_keep=1).taps  # [b, longest, n*E]
+        taps = target(ids, positions, target.allocate_cache(len(batch), 0).past(0), logits_to_keep=1).taps  # [b, longest, n*E]
         for row, tokens in enumerate(batch):
             examples.append(TrainingExample(tokens, taps[row, : tokens.shape[0]].clone(), prompt_lengths[first + row]))
     return examples

@@ -15,18 +15,17 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from dflash_trt.builder.repository import TOKENIZER_DIR
-from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -36,26 +35,28 @@ def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[
     Each is timed in a run of its own, as decoding uses it: alternating the two graphs makes each session's
     spinning thread pool compete with the other's on a small CPU.
     """
-    caches = engine.allocate(1)
+    slot = engine.pool.acquire()
     greedy = SamplingParams()
-    first = engine.prefill(caches, torch.tensor([prompt]), torch.zeros(1, 1), greedy)
+    first = engine.prefill(slot, prompt, 0.0, greedy)
 
-    def median_seconds(call: Callable[[], object]) -> float:
-        call()  # warm-up
+    def call(graph: str, width: int) -> StepBatch:
+        sampling = SamplingTensors.of([greedy], engine.vocab_size)
+        return StepBatch(torch.tensor([slot]), first.next_block[:, :width], first.next_start, torch.zeros(1, width), sampling)
+
+    def median_seconds(graph: str, width: int) -> float:
+        batch = call(graph, width)
+        engine.run(graph, batch)  # warm-up
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            call()
+            engine.run(graph, batch)
             times.append(time.perf_counter() - began)
         return statistics.median(times)
 
-    step = median_seconds(
-        lambda: engine.step(caches, first.next_block, first.next_start, torch.zeros(1, engine.block_size), greedy)
-    )
-    decode = median_seconds(
-        lambda: engine.decode_one(caches, first.next_block[:, 0], first.next_start, torch.zeros(1, 1), greedy)
-    )
-    return step, decode
+    try:
+        return median_seconds("step", engine.block_size), median_seconds("decode", 1)
+    finally:
+        engine.pool.release(slot)
 
 
 def decode_rate(result: Generation) -> float:

@@ -11,9 +11,9 @@ import torch
 from dflash_trt.builder.checkpoints import CheckpointError
 from dflash_trt.builder.drafter_init import untrained_drafter_dir
 from dflash_trt.builder.embedded import EMBEDDED_TARGET
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import load_pair
-from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
 from dflash_trt.runtime.prompts import encode_prompt
 from dflash_trt.runtime.sampling import RequestError, SamplingParams

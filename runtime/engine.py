@@ -1,19 +1,22 @@
-"""Engines: a runner executes the fused graphs (torch modules, ONNX Runtime sessions, TensorRT plans);
-`GraphEngine` owns the static caches around it and is what the host loop calls.
+"""Engines: a runner executes the graphs (torch modules, ONNX Runtime sessions, TensorRT plans); `GraphEngine`
+owns the state pool around it and is what the scheduler calls.
 
-Per call the engine passes each cache's first T rows (T = largest start in the batch) and writes the rows
-the graph returns at their positions. The host loop never touches tensors beyond the emitted tokens.
+Per call the engine passes the whole pool (runners bind it without copying) with each row's slot, and writes
+the rows the graph returns at their (slot, position). The host never touches tensors beyond the emitted tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from dflash_trt.builder.graphs import DecodeOutput, DFlashGraphs, PrefillOutput, StepOutput
-from dflash_trt.builder.networks import DrafterNetwork, KVCache, TargetNetwork
+from dflash_trt.runtime.graph_io import graph_inputs, graph_outputs
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
+from dflash_trt.runtime.states import DTYPES, StatePool, StateSpec
+
+ROW_BUCKET = 64  # past rows are read in multiples of this: fewer distinct shapes, so runners re-plan less often
 
 
 @dataclass(frozen=True)
@@ -22,153 +25,133 @@ class EngineSpec:
 
     block_size: int
     max_seq_len: int
+    max_batch_size: int
     vocab_size: int
     mask_token_id: int
-    target_layers: int
-    target_kv_heads: int
-    target_head_dim: int
-    draft_layers: int
-    draft_kv_heads: int
-    draft_head_dim: int
     dtype: str  # "float32" | "float16" | "bfloat16"
+    states: tuple[StateSpec, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "max_seq_len": self.max_seq_len,
+            "max_batch_size": self.max_batch_size,
+            "vocab_size": self.vocab_size,
+            "mask_token_id": self.mask_token_id,
+            "dtype": self.dtype,
+            "states": [s.to_json() for s in self.states],
+        }
 
     @staticmethod
-    def of(target: TargetNetwork, drafter: DrafterNetwork, block_size: int, max_seq_len: int) -> EngineSpec:
-        t, d = target.config, drafter.config
-        return EngineSpec(
-            block_size, max_seq_len, t.vocab_size, d.mask_token_id, t.num_layers, t.num_kv_heads, t.head_dim,
-            d.num_layers, d.num_kv_heads, d.head_dim, str(target.embed_tokens.weight.dtype).removeprefix("torch."),
-        )  # fmt: skip
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self)
+    def from_json(record: dict[str, Any]) -> EngineSpec:
+        if "states" not in record:
+            raise ValueError("this engine was built by an older dflash-trt (no state description): rebuild it with dflash-build")
+        states = tuple(StateSpec.from_json(s) for s in record["states"])
+        fields = {k: v for k, v in record.items() if k != "states"}
+        return EngineSpec(**fields, states=states)
 
     @property
-    def cache_slots(self) -> int:
-        """A verify block may write up to block_size - 1 rows past the last emitted position."""
+    def positions(self) -> int:
+        """Rows per sequence of positional states: max_seq_len + block_size (a verify block may write past the end)."""
         return self.max_seq_len + self.block_size
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+        return DTYPES[self.dtype]
+
+    def state_bytes_per_sequence(self) -> int:
+        return sum(s.bytes_per_sequence() for s in self.states)
 
 
 class GraphRunner(Protocol):
-    """Executes the three graphs of a built pair; inputs and outputs as in builder.graphs."""
+    """Executes the graphs of a built pair: named inputs (graph_io) -> named outputs."""
 
-    def prefill(self, *inputs: torch.Tensor) -> PrefillOutput: ...
-
-    def step(self, *inputs: torch.Tensor) -> StepOutput: ...
-
-    def decode(self, *inputs: torch.Tensor) -> DecodeOutput: ...
+    def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 class TorchRunner:
-    """The reference: the graph modules run eagerly."""
+    """The reference: the graph bodies (methods of a torch module) run eagerly."""
 
-    def __init__(self, graphs: DFlashGraphs) -> None:
-        self.graphs = graphs.eval()
-
-    @torch.inference_mode()
-    def prefill(self, *inputs: torch.Tensor) -> PrefillOutput:
-        return self.graphs.prefill(*inputs)
+    def __init__(self, graphs: Any, spec: EngineSpec) -> None:
+        self.graphs, self.spec = graphs.eval(), spec
 
     @torch.inference_mode()
-    def step(self, *inputs: torch.Tensor) -> StepOutput:
-        return self.graphs.step(*inputs)
-
-    @torch.inference_mode()
-    def decode(self, *inputs: torch.Tensor) -> DecodeOutput:
-        return self.graphs.decode(*inputs)
+    def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        body: Callable[..., tuple[torch.Tensor, ...]] = getattr(self.graphs, graph)
+        outputs = body(*(inputs[t.name] for t in graph_inputs(graph, self.spec.states)))
+        return {t.name: tensor for t, tensor in zip(graph_outputs(graph, self.spec.states), outputs, strict=True)}
 
 
-@dataclass
-class SequenceCaches:
-    target: KVCache  # [L, B, slots, Hkv, D]
-    draft_ctx: KVCache  # [Ld, B, slots, Hkv, D]
+@dataclass(frozen=True)
+class StepBatch:
+    """One batched call: row b is the sequence in pool slot slots[b]."""
+
+    slots: torch.Tensor  # [B]
+    block: torch.Tensor  # [B, V]: [last emitted token, drafts to verify...] at positions start..start+V-1
+    start: torch.Tensor  # [B]
+    uniforms: torch.Tensor  # [B, V] float32: the uniform of each slot's token
+    sampling: SamplingTensors
 
 
 @dataclass(frozen=True)
 class StepResult:
-    emitted: torch.Tensor  # [B, S]: slots 0..accept_len hold the tokens to emit
-    accept_len: torch.Tensor  # [B]: accepted draft tokens (emitted = accept_len + 1)
-    next_block: torch.Tensor  # [B, S]: [last emitted token, draft tokens...]
+    target_tokens: torch.Tensor  # [B, V]: emit slots 0..accept_len
+    accept_len: torch.Tensor  # [B]: accepted drafts (emitted = accept_len + 1)
+    next_block: torch.Tensor  # [B, N]: [last emitted token, drafts...]
     next_start: torch.Tensor  # [B]: position of next_block[:, 0]
 
 
 class GraphEngine:
-    """Static caches + a graph runner: the fused prefill / step / plain decode calls of the host loop."""
+    """A state pool for `max_batch` sequences + a graph runner: the prefill and step calls of the scheduler."""
 
-    def __init__(self, runner: GraphRunner, spec: EngineSpec) -> None:
+    def __init__(self, runner: GraphRunner, spec: EngineSpec, max_batch: int | None = None) -> None:
         if spec.block_size < 2:
             raise ValueError(f"block_size={spec.block_size} must be at least 2 (the last token plus one draft slot)")
         self.runner, self.spec = runner, spec
         self.block_size, self.max_seq_len, self.vocab_size = spec.block_size, spec.max_seq_len, spec.vocab_size
+        self.pool = StatePool(spec.states, max_batch or spec.max_batch_size)
+        self._row_carriers: dict[int, torch.Tensor] = {}
 
-    def allocate(self, batch: int = 1) -> SequenceCaches:
-        s = self.spec
-        target = KVCache.allocate(s.target_layers, batch, s.cache_slots, s.target_kv_heads, s.target_head_dim, s.torch_dtype)
-        draft = KVCache.allocate(s.draft_layers, batch, s.cache_slots, s.draft_kv_heads, s.draft_head_dim, s.torch_dtype)
-        return SequenceCaches(target, draft)
+    def prefill(self, slot: int, prompt: list[int], uniform: float, sampling: SamplingParams) -> StepResult:
+        """One prompt into pool slot `slot` -> its first token (target_tokens[:, 0]) and first draft block."""
+        length = len(prompt)
+        inputs = {
+            "input_ids": torch.tensor([prompt], dtype=torch.long),
+            "uniforms": torch.tensor([[uniform]], dtype=torch.float32),
+            **SamplingTensors.of([sampling], self.vocab_size).as_inputs(),
+        }
+        out = self.runner.run("prefill", inputs)
+        self._write_rows(out, torch.tensor([slot]), torch.arange(length)[None, :])
+        start = torch.tensor([length])
+        return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], start)
 
-    def _sampling(self, sampling: SamplingParams, batch: int) -> tuple[torch.Tensor, ...]:
-        t = SamplingTensors.of([sampling] * batch, self.vocab_size)
-        return t.temperature, t.top_k, t.top_p, t.candidate_slots
+    def run(self, graph: str, batch: StepBatch) -> StepResult:
+        """graph: "step" | "verify" | "decode" over the batch's slots; writes the computed rows into the pool."""
+        visible = self._visible_rows(int(batch.start.max()))
+        inputs = {
+            "block": batch.block,
+            "start": batch.start,
+            "slots": batch.slots,
+            "visible_rows": visible,
+            "uniforms": batch.uniforms,
+            **batch.sampling.as_inputs(),
+            **self.pool.tensors,
+        }
+        needed = {t.name for t in graph_inputs(graph, self.spec.states)}
+        out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in needed})
+        positions = batch.start[:, None] + torch.arange(batch.block.shape[1])  # [B, V]
+        self._write_rows(out, batch.slots, positions)
+        return StepResult(out["target_tokens"], out["accept_len"], out["next_block"], out["next_start"])
 
-    def prefill(
-        self, caches: SequenceCaches, prompt: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
-    ) -> StepResult:
-        """prompt: [B, P], uniforms: [B, 1] -> the first token (emitted[:, 0]) and the first draft block."""
-        batch, length = prompt.shape
-        out = self.runner.prefill(prompt, uniforms.float(), *self._sampling(sampling, batch))
-        positions = torch.arange(length).expand(batch, -1)
-        caches.target.write(positions, out.k, out.v)
-        caches.draft_ctx.write(positions, out.ctx_k, out.ctx_v)
-        start = torch.full((batch,), length, dtype=torch.long)
-        return StepResult(out.first_token[:, None], torch.zeros(batch, dtype=torch.long), out.next_block, start)
+    def _visible_rows(self, largest_start: int) -> torch.Tensor:
+        """A shape carrier of length R >= largest_start, rounded up to ROW_BUCKET (at most the pool's positions)."""
+        rows = min(-(-max(largest_start, 1) // ROW_BUCKET) * ROW_BUCKET, self.spec.positions)
+        if rows not in self._row_carriers:
+            self._row_carriers[rows] = torch.empty(rows, dtype=torch.long)
+        return self._row_carriers[rows]
 
-    def step(
-        self, caches: SequenceCaches, block: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor, sampling: SamplingParams
-    ) -> StepResult:
-        """block: [B, S] at positions start..start+S-1, uniforms: [B, S] -> accepted tokens and the next block."""
-        rows = int(start.max())  # rows at or past a sequence's start are stale: pass only what can be visible
-        past_k, past_v = caches.target.past(rows)
-        past_ctx_k, past_ctx_v = caches.draft_ctx.past(rows)
-        out = self.runner.step(
-            block, start, uniforms.float(), *self._sampling(sampling, block.shape[0]), past_k, past_v, past_ctx_k, past_ctx_v
-        )
-        positions = start[:, None] + torch.arange(block.shape[1])
-        caches.target.write(positions, out.k, out.v)
-        caches.draft_ctx.write(positions, out.ctx_k, out.ctx_v)
-        return StepResult(out.target_tokens, out.accept_len, out.next_block, out.next_start)
-
-    def decode_one(
-        self,
-        caches: SequenceCaches,
-        token: torch.Tensor,
-        position: torch.Tensor,
-        uniforms: torch.Tensor,
-        sampling: SamplingParams,
-    ) -> torch.Tensor:
-        """Plain decoding step (the baseline): token, position: [B] -> next token [B]."""
-        past_k, past_v = caches.target.past(int(position.max()))
-        out = self.runner.decode(token, position, uniforms.float(), *self._sampling(sampling, token.shape[0]), past_k, past_v)
-        caches.target.write(position[:, None], out.k, out.v)
-        return out.next_token
-
-
-def torch_engine(target: TargetNetwork, drafter: DrafterNetwork, max_seq_len: int, block_size: int | None = None) -> GraphEngine:
-    """The torch reference engine for a loaded pair."""
-    if tuple(target.tap_layer_ids) != tuple(drafter.config.target_layer_ids):
-        raise ValueError(
-            f"target taps {target.tap_layer_ids} != drafter target_layer_ids {drafter.config.target_layer_ids}; "
-            "load the pair with load_pair()"
-        )
-    if not 0 < max_seq_len <= target.config.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_len={max_seq_len} must be in [1, {target.config.max_position_embeddings}] "
-            "(the target's max_position_embeddings)"
-        )
-    size = block_size or drafter.config.block_size
-    spec = EngineSpec.of(target, drafter, size, max_seq_len)
-    return GraphEngine(TorchRunner(DFlashGraphs(target, drafter, size)), spec)
+    def _write_rows(self, out: dict[str, torch.Tensor], slots: torch.Tensor, positions: torch.Tensor) -> None:
+        for state in self.spec.states:
+            rows = out.get(f"{state.name}_rows")
+            if rows is not None:
+                self.pool.write_rows(state.name, slots, positions, rows)

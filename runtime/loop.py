@@ -1,19 +1,26 @@
-"""The host side of the draft-verify loop: validate, prefill, call step until done, stop, count.
+"""One sequence's side of the draft-verify loop: validate it, commit each step's tokens, stop, count.
 
-The engine does all tensor work (fused prefill and step); per step the host only slices out the emitted
-tokens, checks stop conditions on them, and updates counters.
+The engine does all tensor work (fused prefill and step) for a whole batch; `Sequence.commit` is what the host
+does per sequence and step: take the accepted tokens, check stop conditions on them, update counters, keep the
+next block. `generate` and `stream_dflash` run one sequence through the batch scheduler.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from dflash_trt.runtime.engine import GraphEngine, SequenceCaches, StepResult
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from dflash_trt.runtime.engine import GraphEngine
+    from dflash_trt.runtime.scheduler import VerifyPolicy
+
+STOP_WINDOW_TOKENS = 8  # tokens decoded beyond the longest stop string's length, when looking for it
 
 
 @dataclass(frozen=True)
@@ -29,12 +36,17 @@ class StopCriteria:
             raise RequestError("an empty stop string would stop at once; remove it")
 
     def first_stop(self, tokens: list[int], new_from: int) -> int | None:
-        """Index one past the token that ends generation, looking at tokens[new_from:], else None."""
+        """Index one past the token that ends generation, looking at tokens[new_from:], else None.
+
+        A stop string is looked for in the text of a tail window only (the longest stop string's length in
+        tokens, plus STOP_WINDOW_TOKENS), so the check costs the same at every length.
+        """
+        window = max((len(s) for s in self.stop_strings), default=0) + STOP_WINDOW_TOKENS
         for index in range(new_from, len(tokens)):
             if tokens[index] in self.eos_token_ids:
                 return index + 1
             if self.stop_strings and self.decode is not None:
-                text = self.decode(tokens[: index + 1])
+                text = self.decode(tokens[max(0, index + 1 - window) : index + 1])
                 if any(stop in text for stop in self.stop_strings):
                     return index + 1
         return None
@@ -50,19 +62,21 @@ class GenerationStats:
     steps: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    draft_tokens: int = 0  # drafts the target verified
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (accepted + bonus)
     position_accept_counts: list[int] = field(default_factory=list)  # [S-1]: steps whose draft slot j+1 was accepted
-    finish_reason: str = "length"  # "length" | "stop"
+    finish_reason: str = "length"  # "length" | "stop" | "cancelled"
 
-    def record_step(self, accept_len: int, emitted: int) -> None:
+    def __post_init__(self) -> None:
+        if not self.position_accept_counts:
+            self.position_accept_counts = [0] * (self.block_size - 1)
+
+    def record_step(self, verified: int, accept_len: int, emitted: int) -> None:
         self.steps += 1
+        self.draft_tokens += verified
         self.acceptance_lengths.append(emitted)
         for slot in range(accept_len):
             self.position_accept_counts[slot] += 1
-
-    @property
-    def draft_tokens(self) -> int:
-        return self.steps * (self.block_size - 1)
 
     @property
     def accepted_draft_tokens(self) -> int:
@@ -75,7 +89,7 @@ class GenerationStats:
 
     @property
     def acceptance_rate(self) -> float:
-        return self.accepted_draft_tokens / self.draft_tokens if self.steps else 0.0
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass
@@ -84,7 +98,7 @@ class Generation:
     stats: GenerationStats
 
 
-def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: GraphEngine, sampling: SamplingParams) -> None:
+def validate_request(prompt_ids: Tokens[int], max_new_tokens: int, engine: GraphEngine, sampling: SamplingParams) -> None:
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty: pass at least one token (e.g. the BOS token or a chat-templated prompt)")
     bad_ids = [t for t in prompt_ids if not 0 <= t < engine.vocab_size]
@@ -105,101 +119,94 @@ def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, engine: Gra
     sampling.validate()
 
 
-def _uniforms(rng: np.random.Generator, count: int) -> torch.Tensor:
-    return torch.from_numpy(rng.random((1, count)))  # [1, count] in [0, 1)
-
-
 @dataclass
-class _Started:
-    caches: SequenceCaches
-    rng: np.random.Generator
-    first: StepResult
-    tokens: list[int]
+class Sequence:
+    """One request in the engine: its slot, its tokens so far, its next block and its counters."""
 
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: StopCriteria = NO_STOP
+    stats: GenerationStats = field(default_factory=lambda: GenerationStats(2))
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    slot: int = -1
+    block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [last token, drafts...]
+    start: int = 0  # position of block[0]
+    uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # one per generated token
+    finished: bool = False
+    began: float = field(default_factory=time.perf_counter)
 
-def _start(
-    engine: GraphEngine,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    stop: StopCriteria,
-    stats: GenerationStats,
-) -> _Started:
-    """Validate the request, allocate its caches and prefill: the first token and the first draft block."""
-    validate_request(prompt_ids, max_new_tokens, engine, sampling)
-    stop.validate()
-    rng = sampling.uniform_source()
-    caches = engine.allocate(1)
-    began = time.perf_counter()
-    first = engine.prefill(caches, torch.tensor([list(prompt_ids)]), _uniforms(rng, 1), sampling)
-    stats.prefill_seconds = time.perf_counter() - began
-    tokens = [int(first.emitted[0, 0])]
-    if stop.first_stop(tokens, 0) is not None:
-        stats.finish_reason = "stop"
-    return _Started(caches, rng, first, tokens)
+    def validate(self, engine: GraphEngine) -> None:
+        validate_request(self.prompt, self.max_new_tokens, engine, self.sampling)
+        self.stop.validate()
+        self.uniforms = self.sampling.uniforms(self.max_new_tokens + engine.block_size)
+
+    @property
+    def drafts(self) -> int:
+        """Drafted tokens in the next block that a step can verify."""
+        return len(self.block) - 1
+
+    def commit(self, emitted: list[int], accept_len: int, verified: int, next_block: np.ndarray, next_start: int) -> list[int]:
+        """Take one step's tokens (the accepted drafts and the bonus token): returns what to send, sets `finished`."""
+        before = len(self.tokens)
+        self.tokens.extend(emitted[: self.max_new_tokens - before])
+        end = self.stop.first_stop(self.tokens, before)
+        if end is not None:
+            del self.tokens[end:]
+            self.stats.finish_reason = "stop"
+        if before:  # the prefill's first token is not a step
+            self.stats.record_step(verified, accept_len, len(self.tokens) - before)
+            self.stats.decode_seconds = time.perf_counter() - self.began
+        else:
+            self.stats.prefill_seconds = time.perf_counter() - self.began
+            self.began = time.perf_counter()
+        self.finished = end is not None or len(self.tokens) >= self.max_new_tokens
+        self.block, self.start = next_block, next_start
+        return self.tokens[before:]
 
 
 def stream_dflash(
     engine: GraphEngine,
-    prompt_ids: Sequence[int],
+    prompt_ids: Tokens[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,
     stop: StopCriteria = NO_STOP,
     stats: GenerationStats | None = None,
+    policy: VerifyPolicy | None = None,
 ) -> Iterator[list[int]]:
     """Yield the tokens of each step as soon as they are accepted (several per step when drafts are accepted)."""
-    stats = stats if stats is not None else GenerationStats(engine.block_size)
-    stats.position_accept_counts = [0] * (engine.block_size - 1)
-    started = _start(engine, prompt_ids, max_new_tokens, sampling, stop, stats)
-    tokens, out = started.tokens, started.first
-    yield tokens[:]
-    decode_began = time.perf_counter()
-    while stats.finish_reason != "stop" and len(tokens) < max_new_tokens:
-        # Step: verify the block, accept a prefix plus the bonus token, draft the next block.
-        out = engine.step(started.caches, out.next_block, out.next_start, _uniforms(started.rng, engine.block_size), sampling)
-        accept_len = int(out.accept_len[0])
-        before = len(tokens)
-        tokens.extend(out.emitted[0, : accept_len + 1].tolist()[: max_new_tokens - before])
-        end = stop.first_stop(tokens, before)
-        if end is not None:
-            del tokens[end:]
-            stats.finish_reason = "stop"
-        stats.record_step(accept_len, len(tokens) - before)
-        stats.decode_seconds = time.perf_counter() - decode_began
-        yield tokens[before:]
+    from dflash_trt.runtime.scheduler import Scheduler
+
+    sequence = Sequence(list(prompt_ids), max_new_tokens, sampling, stop, stats or GenerationStats(engine.block_size))
+    scheduler = Scheduler(engine, policy)
+    scheduler.submit(sequence)
+    while not sequence.finished:
+        for _, tokens in scheduler.step():
+            yield tokens
 
 
 def generate(
     engine: GraphEngine,
-    prompt_ids: Sequence[int],
+    prompt_ids: Tokens[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,
     stop: StopCriteria = NO_STOP,
+    policy: VerifyPolicy | None = None,
 ) -> Generation:
     """DFlash speculative decoding of one prompt: the generated tokens (prompt excluded) and statistics."""
     stats = GenerationStats(engine.block_size)
-    tokens = [token for piece in stream_dflash(engine, prompt_ids, max_new_tokens, sampling, stop, stats) for token in piece]
+    tokens = [t for piece in stream_dflash(engine, prompt_ids, max_new_tokens, sampling, stop, stats, policy) for t in piece]
     return Generation(tokens, stats)
 
 
 def generate_plain(
     engine: GraphEngine,
-    prompt_ids: Sequence[int],
+    prompt_ids: Tokens[int],
     max_new_tokens: int,
     sampling: SamplingParams = GREEDY,
     stop: StopCriteria = NO_STOP,
 ) -> Generation:
     """Plain autoregressive decoding on the same engine (the baseline DFlash must equal at T=0)."""
-    stats = GenerationStats(1)
-    started = _start(engine, prompt_ids, max_new_tokens, sampling, stop, stats)
-    tokens = started.tokens
-    decode_began = time.perf_counter()
-    while stats.finish_reason != "stop" and len(tokens) < max_new_tokens:
-        position = torch.tensor([len(prompt_ids) + len(tokens) - 1])
-        token = engine.decode_one(started.caches, torch.tensor(tokens[-1:]), position, _uniforms(started.rng, 1), sampling)
-        tokens.append(int(token[0]))
-        stats.record_step(0, 1)
-        if stop.first_stop(tokens, len(tokens) - 1) is not None:
-            stats.finish_reason = "stop"
-    stats.decode_seconds = time.perf_counter() - decode_began
-    return Generation(tokens, stats)
+    from dflash_trt.runtime.scheduler import PlainDecoding
+
+    return generate(engine, prompt_ids, max_new_tokens, sampling, stop, PlainDecoding())

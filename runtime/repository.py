@@ -24,11 +24,12 @@ def engine_dir_of(path: Path) -> Path:
     return nested if nested.is_dir() else path
 
 
-def load_engine(path: Path, threads: int | None = None) -> tuple[GraphEngine, dict[str, Any]]:
-    """The engine a dflash-build output holds (ONNX Runtime here; TensorRT plans where TensorRT runs)."""
+def load_engine(path: Path, threads: int | None = None, max_batch: int | None = None) -> tuple[GraphEngine, dict[str, Any]]:
+    """The engine a dflash-build output holds (ONNX Runtime here; TensorRT plans where TensorRT runs), with a state
+    pool of `max_batch` slots (default: the build's --max-batch-size)."""
     engine_dir = engine_dir_of(path)
     manifest = read_manifest(engine_dir)
-    spec = EngineSpec(**manifest["engine"])
+    spec = EngineSpec.from_json(manifest["engine"])
     backend = manifest["backend"]
     if backend != "onnxruntime":
         raise RuntimeError(
@@ -38,4 +39,5 @@ def load_engine(path: Path, threads: int | None = None) -> tuple[GraphEngine, di
     settings = SessionSettings(**manifest["session"])
     if threads is not None:
         settings = SessionSettings(threads, settings.graph_optimization)
-    return GraphEngine(OnnxRuntimeRunner(engine_dir, settings), spec), manifest
+    runner = OnnxRuntimeRunner(engine_dir, spec.states, settings)
+    return GraphEngine(runner, spec, max_batch), manifest

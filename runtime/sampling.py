@@ -41,8 +41,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def uniform_source(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+    def uniforms(self, count: int) -> np.ndarray:
+        """[count] float32 in [0, 1): the uniform for generated token n is uniforms[n], whatever the steps look like,
+        so a seeded request draws the same tokens alone or in any batch and with any verify length."""
+        return np.random.default_rng(self.seed).random(count, dtype=np.float32)
 
 
 @dataclass(frozen=True)
@@ -52,18 +54,30 @@ class SamplingTensors:
     temperature: torch.Tensor  # [B] float32, 0 = greedy
     top_k: torch.Tensor  # [B] int64, 0 = no limit
     top_p: torch.Tensor  # [B] float32
+    sampled_rows: torch.Tensor  # [Bs] int64: the rows with temperature > 0 (the only ones that pay for sampling)
     candidate_slots: torch.Tensor  # [K]: only its length matters, the width of the sorted candidate list
 
     @staticmethod
     def of(params: Sequence[SamplingParams], vocab_size: int) -> SamplingTensors:
-        """K = V when any row uses top-p (the nucleus needs the full sort), else the largest top-k, else 1."""
-        widths = [vocab_size if p.top_p < 1 else min(p.top_k, vocab_size) for p in params]
+        """K = V when a sampled row uses top-p (the nucleus needs the full sort), else its largest top-k, else 1."""
+        sampled = [row for row, p in enumerate(params) if not p.greedy]
+        widths = [vocab_size if params[r].top_p < 1 else min(params[r].top_k, vocab_size) for r in sampled]
         return SamplingTensors(
             torch.tensor([p.temperature for p in params], dtype=torch.float32),
             torch.tensor([p.top_k for p in params], dtype=torch.int64),
             torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            torch.zeros(max(1, *widths), dtype=torch.int64),
+            torch.tensor(sampled, dtype=torch.int64),
+            torch.empty(max(1, *widths) if widths else 1, dtype=torch.int64),
         )
+
+    def as_inputs(self) -> dict[str, torch.Tensor]:
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "sampled_rows": self.sampled_rows,
+            "candidate_slots": self.candidate_slots,
+        }
 
 
 def sample_tokens(
@@ -72,23 +86,21 @@ def sample_tokens(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    sampled_rows: torch.Tensor,
     candidate_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B] -> tokens [B, S].
+    """logits: [B, S, V], uniforms: [B, S] in [0, 1), per-row parameters [B], sampled_rows [Bs] -> tokens [B, S].
 
-    A batch whose rows are all greedy takes only the argmax: the sampling ops over [B, S, V] cost many times
-    the argmax (measured in the README's "How the loop works"). Exported graphs branch with an ONNX `If`
-    (torch.cond); eagerly the host picks the branch (an eager torch.cond would compile its branches first).
+    Every row takes the argmax; the rows listed in `sampled_rows` (those with temperature > 0) are then sampled
+    and overwrite theirs. A greedy row never pays for another row's sampling, and an all-greedy batch passes
+    an empty list: the sampling ops then run on zero rows.
     """
-    operands = (logits, uniforms, temperature, top_k, top_p, candidate_slots)
-    any_sampled = (temperature > 0).any()  # [] bool
-    if torch.compiler.is_exporting():
-        return torch.cond(any_sampled, _sample_rows, _greedy_rows, operands)
-    return _sample_rows(*operands) if bool(any_sampled) else _greedy_rows(*operands)
-
-
-def _greedy_rows(logits: torch.Tensor, *_parameters: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)  # [B, S]
+    tokens = logits.argmax(dim=-1)  # [B, S]
+    sampled = _sample_rows(
+        logits[sampled_rows], uniforms[sampled_rows], temperature[sampled_rows], top_k[sampled_rows], top_p[sampled_rows],
+        candidate_slots,
+    )  # fmt: skip
+    return tokens.index_put((sampled_rows,), sampled)
 
 
 def _sample_rows(
@@ -99,15 +111,13 @@ def _sample_rows(
     top_p: torch.Tensor,
     candidate_slots: torch.Tensor,
 ) -> torch.Tensor:
-    """Per row: greedy rows take the argmax. Rows without top-k/top-p sample the whole tempered distribution by
-    inverse CDF in vocabulary order (no sort). Rows with top-k/top-p sample among the K best candidates,
+    """Rows with temperature > 0. Rows without top-k/top-p sample the whole tempered distribution by inverse CDF
+    in vocabulary order (no sort). Rows with top-k/top-p sample among the K best candidates,
     K = len(candidate_slots) (the host makes K = V when top-p is in use): top-k then top-p, as HF's warpers.
     """
-    greedy_tokens = logits.argmax(dim=-1)  # [B, S]
-    tempered = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scores = logits.float() / tempered[:, None, None]  # [B, S, V]
-    whole = _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)  # [B, S]
-    best, order = torch.topk(scores, candidate_slots.shape[0], dim=-1)  # [B, S, K], descending
+    scores = logits.float() / temperature[:, None, None]  # [Bs, S, V]
+    whole = _inverse_cdf(torch.softmax(scores, dim=-1), uniforms)  # [Bs, S]
+    best, order = torch.topk(scores, candidate_slots.shape[0], dim=-1)  # [Bs, S, K], descending
     ranks = torch.arange(best.shape[-1], device=logits.device)
     in_top_k = (top_k[:, None, None] == 0) | (ranks < top_k[:, None, None])
     probs = torch.softmax(torch.where(in_top_k, best, torch.full_like(best, float("-inf"))), dim=-1)
@@ -115,8 +125,7 @@ def _sample_rows(
     probs = torch.where(mass_before < top_p[:, None, None], probs, torch.zeros_like(probs))
     filtered = order.gather(-1, _inverse_cdf(probs, uniforms)[..., None])[..., 0]
     use_filter = ((top_k > 0) | (top_p < 1))[:, None]
-    sampled = torch.where(use_filter, filtered, whole)
-    return torch.where((temperature > 0)[:, None], sampled, greedy_tokens)
+    return torch.where(use_filter, filtered, whole)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -132,5 +141,5 @@ def accepted_prefix_length(draft_tokens: torch.Tensor, target_tokens: torch.Tens
     Draft slot i+1 is accepted while it equals the target's own choice at slot i.
     """
     mismatch = (draft_tokens != target_tokens[:, :-1]).float()  # [B, S-1]
-    sentinel = torch.ones_like(mismatch[:, :1])  # every row mismatches at slot S-1 at the latest
+    sentinel = torch.ones_like(target_tokens[:, :1], dtype=mismatch.dtype)  # every row mismatches at slot S-1 at the latest
     return torch.cat([mismatch, sentinel], dim=1).argmax(dim=1)  # the first mismatch = the accepted count

@@ -129,7 +129,7 @@ def check_target_step(sizes: Sizes, device: str, dtype: torch.dtype, context: in
     def run(tokens: int) -> None:
         ids = torch.randint(0, sizes.vocab, (1, tokens), device=device)
         positions = torch.arange(context, context + tokens, device=device)[None]
-        target(ids, positions, *past, logits_to_keep=tokens)
+        target(ids, positions, past, logits_to_keep=tokens)
 
     verify_s = median_seconds(lambda: run(sizes.block), sizes.repeats)
     decode_s = median_seconds(lambda: run(1), sizes.repeats)

@@ -14,13 +14,15 @@ import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
 from dflash_trt.builder.export import all_nodes
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import MANIFEST, is_complete_repository
 from dflash_trt.plugins.onnx_domain import DOMAIN
-from dflash_trt.runtime.engine import torch_engine
+from dflash_trt.runtime.engine import EngineSpec, StepBatch
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoModelForCausalLM
 
 # Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
@@ -83,19 +85,22 @@ def test_repository_layout(interrupted_then_built) -> None:
 
 def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_built) -> None:
     engine_dir = interrupted_then_built[0] / "dflash" / "1" / "engine"
-    for name in ("prefill", "step", "decode"):
+    spec = EngineSpec.from_json(load_engine(interrupted_then_built[0])[1]["engine"])
+    expected_custom = {"prefill": DFLASH_OPS, "step": DFLASH_OPS, "verify": {"HiddenStateTap"}, "decode": set()}
+    for name in GRAPH_NAMES:
         onnx.checker.check_model(str(engine_dir / f"{name}.onnx"), full_check=True)
         model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
         nodes = all_nodes(model.graph)  # TensorRT parses If branches too
         standard = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
         custom = {n.op_type for n in nodes if n.domain == DOMAIN}
         assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"
-        assert custom == (set() if name == "decode" else DFLASH_OPS), f"{name}: dflash nodes {custom}"
+        assert custom == expected_custom[name], f"{name}: dflash nodes {custom}"
         assert {n.domain for n in nodes} <= {"", DOMAIN}
-        assert "If" in standard, f"{name}: greedy batches should skip the sampling ops (an If on the temperatures)"
+        assert [i.name for i in model.graph.input] == [t.name for t in graph_inputs(name, spec.states)]
+        assert [o.name for o in model.graph.output] == [t.name for t in graph_outputs(name, spec.states)]
     # Every large weight is stored once, in the shared file.
     sizes = {p.name: p.stat().st_size for p in engine_dir.iterdir()}
-    assert sizes["weights.bin"] > max(sizes[f"{n}.onnx"] for n in ("prefill", "step", "decode"))
+    assert sizes["weights.bin"] > max(sizes[f"{n}.onnx"] for n in GRAPH_NAMES)
 
 
 def test_onnxruntime_engine_equals_transformers_greedy(interrupted_then_built, tiny_targets: dict[str, Path]) -> None:
@@ -114,24 +119,26 @@ def test_onnxruntime_engine_equals_transformers_greedy(interrupted_then_built, t
 
 
 def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets: dict[str, Path], trained_drafter: Path) -> None:
-    """Cache rows and draft-context rows (functions of the target's K/V and taps) within 1e-4 of the torch engine."""
-    ort_engine, _ = load_engine(interrupted_then_built[0])
-    reference = torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256)
-    prompt = torch.tensor([[3, 14, 15, 9, 26, 5, 35]])
-    caches = [reference.allocate(1), ort_engine.allocate(1)]
-    outs = [
-        e.prefill(c, prompt, torch.full((1, 1), 0.5), SamplingParams())
-        for e, c in zip((reference, ort_engine), caches, strict=True)
+    """Pool rows (target K/V and draft-context K/V) within 1e-4 of the torch engine after a prefill and 3 batched steps of
+    every graph kind, two sequences in slots that are not 0 and 1."""
+    ort_engine, _ = load_engine(interrupted_then_built[0], max_batch=4)
+    reference = torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256, max_batch=4)
+    prompts = [[3, 14, 15, 9, 26, 5, 35], [7, 8]]
+    slots = torch.tensor([2, 3])
+    firsts = [
+        [e.prefill(int(slot), p, 0.5, SamplingParams()) for slot, p in zip(slots, prompts, strict=True)]
+        for e in (reference, ort_engine)
     ]
-    for _ in range(3):
-        outs = [
-            e.step(c, outs[0].next_block, outs[0].next_start, torch.full((1, 16), 0.5), SamplingParams())
-            for e, c in zip((reference, ort_engine), caches, strict=True)
-        ]
-        assert torch.equal(outs[0].emitted, outs[1].emitted) and torch.equal(outs[0].next_block, outs[1].next_block)
-    for ref_cache, ort_cache in ((caches[0].target, caches[1].target), (caches[0].draft_ctx, caches[1].draft_ctx)):
-        assert (ref_cache.k - ort_cache.k).abs().max() <= 1e-4
-        assert (ref_cache.v - ort_cache.v).abs().max() <= 1e-4
+    block, start = torch.cat([f.next_block for f in firsts[0]]), torch.cat([f.next_start for f in firsts[0]])
+    for graph, width in (("step", 16), ("verify", 4), ("step", 1), ("decode", 1)):
+        batch = StepBatch(
+            slots, block[:, :width], start, torch.full((2, width), 0.5), SamplingTensors.of([SamplingParams()] * 2, 96)
+        )
+        outs = [e.run(graph, batch) for e in (reference, ort_engine)]
+        assert torch.equal(outs[0].target_tokens, outs[1].target_tokens) and torch.equal(outs[0].next_block, outs[1].next_block)
+        block, start = outs[0].next_block, outs[0].next_start
+    for name, tensor in reference.pool.tensors.items():
+        assert (tensor - ort_engine.pool.tensors[name]).abs().max() <= 1e-4, name
 
 
 @pytest.mark.parametrize(

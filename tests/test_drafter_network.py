@@ -9,8 +9,8 @@ from pathlib import Path
 import dflash.model as zlab
 import pytest
 import torch
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import DrafterNetwork, draft_logits, load_drafter, load_target
-from dflash_trt.runtime.engine import torch_engine
 from dflash_trt.runtime.loop import generate
 from transformers import AutoModelForCausalLM
 

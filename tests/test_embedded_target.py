@@ -22,7 +22,7 @@ def test_smollm2_logits_match_transformers() -> None:
     ours = load_target(path, tap_layer_ids=(1, 14, 26))
     with torch.no_grad():
         expected = reference(prompt, output_hidden_states=True)
-        out = ours(prompt, torch.arange(prompt.shape[1])[None], *ours.allocate_cache(1, 0).past(0))
+        out = ours(prompt, torch.arange(prompt.shape[1])[None], ours.allocate_cache(1, 0).past(0))
     logits, taps = out.logits, out.taps
     assert (logits - expected.logits).abs().max() <= 1e-4  # fp32; measured 0.0 on this CPU
     assert (taps[..., 576:1152] - expected.hidden_states[15]).abs().max() <= 1e-4

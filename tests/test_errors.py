@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair, load_target
-from dflash_trt.runtime.engine import GraphEngine, torch_engine
+from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import StopCriteria, generate
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 

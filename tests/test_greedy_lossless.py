@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_drafter, load_target
-from dflash_trt.runtime.engine import GraphEngine, torch_engine
+from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import generate, generate_plain
 from transformers import AutoModelForCausalLM
 

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from dflash_trt.builder.layers import rotary_cos_sin
-from dflash_trt.builder.networks import DrafterNetwork, load_drafter, load_target
+from dflash_trt.builder.networks import DrafterNetwork, StackedPast, load_drafter, load_target
 from dflash_trt.plugins import block_denoise, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import DOMAIN, ONNX_OPSET, attach_functions
 from torch import nn
@@ -104,7 +104,7 @@ class TargetLogitsAndTaps(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        out = self.target(input_ids, positions, past_k, past_v)
+        out = self.target(input_ids, positions, StackedPast(past_k, past_v))
         return out.logits, out.taps
 
 

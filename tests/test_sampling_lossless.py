@@ -12,8 +12,9 @@ import dflash_trt.builder.graphs as graphs
 import numpy as np
 import pytest
 import torch
+from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_drafter, load_target
-from dflash_trt.runtime.engine import GraphEngine, torch_engine
+from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
 from scipy.stats import chisquare

@@ -28,12 +28,12 @@ def test_prefill_and_verify_logits_match_transformers(model_type: str, tiny_targ
         ref_verify = reference(block, past_key_values=cache, use_cache=True, output_hidden_states=True)
 
         kv = ours.allocate_cache(1, 64)
-        prefill = ours(prompt, torch.arange(23)[None], *kv.past(0))
+        prefill = ours(prompt, torch.arange(23)[None], kv.past(0))
         kv.write(torch.arange(23)[None], prefill.k, prefill.v)
-        verify = ours(block, torch.arange(23, 39)[None], *kv.past(23))
+        verify = ours(block, torch.arange(23, 39)[None], kv.past(23))
         # Stale rows past the block's start must not matter: a full-size past with garbage gives the same logits.
         kv.write(torch.arange(23, 64)[None], torch.randn_like(kv.k[:, :, 23:]), torch.randn_like(kv.v[:, :, 23:]))
-        verify_stale = ours(block, torch.arange(23, 39)[None], *kv.past(64))
+        verify_stale = ours(block, torch.arange(23, 39)[None], kv.past(64))
         logits, verify_logits, verify_taps = prefill.logits, verify.logits, verify.taps
 
     assert (logits - ref_prefill.logits).abs().max() <= TOLERANCE
@@ -42,7 +42,7 @@ def test_prefill_and_verify_logits_match_transformers(model_type: str, tiny_targ
     ref_taps = torch.cat([ref_verify.hidden_states[i + 1] for i in taps], dim=-1)
     assert (verify_taps - ref_taps).abs().max() <= TOLERANCE
     # The check is not vacuous: a one-position shift of the cache breaks it.
-    shifted = ours(block, torch.arange(24, 40)[None], *kv.past(24)).logits
+    shifted = ours(block, torch.arange(24, 40)[None], kv.past(24)).logits
     assert (shifted - ref_verify.logits).abs().max() > 100 * TOLERANCE
 
 
@@ -56,11 +56,11 @@ def test_batch_rows_with_different_positions_are_independent(tiny_targets: dict[
         for row, prompt in enumerate(prompts):
             length = prompt.shape[1]
             kv = ours.allocate_cache(1, 32)
-            out = ours(prompt, torch.arange(length)[None], *kv.past(0))
+            out = ours(prompt, torch.arange(length)[None], kv.past(0))
             kv.write(torch.arange(length)[None], out.k, out.v)
             batched_kv.k[:, row, :length], batched_kv.v[:, row, :length] = out.k[:, 0], out.v[:, 0]
-            single.append(ours(torch.tensor([[7, 8]]), torch.arange(length, length + 2)[None], *kv.past(length)).logits)
+            single.append(ours(torch.tensor([[7, 8]]), torch.arange(length, length + 2)[None], kv.past(length)).logits)
         # Row 0's rows 5..8 are stale (never written for it) but lie ahead of its positions.
-        batched = ours(torch.tensor([[7, 8], [7, 8]]), torch.tensor([[5, 6], [9, 10]]), *batched_kv.past(9)).logits
+        batched = ours(torch.tensor([[7, 8], [7, 8]]), torch.tensor([[5, 6], [9, 10]]), batched_kv.past(9)).logits
     assert (batched[0] - single[0][0]).abs().max() <= TOLERANCE
     assert (batched[1] - single[1][0]).abs().max() <= TOLERANCE

@@ -1,0 +1,279 @@
+"""In-flight batching: admit sequences into pool slots, run one batched step for all of them, retire them at once.
+
+Each `Scheduler.step()`:
+1. admits waiting sequences while slots are free (prefill, one prompt at a time, joining the running batch);
+2. asks the verify policy how many drafted tokens to verify (k, the same for every row; 0 = plain decoding)
+   and runs one graph call for every active sequence: `step` (verify 1 + k tokens, draft the next block) or
+   `verify` (verify without drafting, when the policy expects not to use drafts next time);
+3. commits each row's tokens (`Sequence.commit`), and retires finished and cancelled sequences (slot freed).
+
+Outputs are exact whatever k is: the target's own choice decides every emitted token, and a sequence's
+uniforms are indexed by generated-token number, not by step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from dflash_trt.runtime.engine import GraphEngine, StepBatch, StepResult
+from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
+from dflash_trt.runtime.sampling import SamplingTensors
+
+
+class VerifyPolicy(Protocol):
+    """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
+
+    graph_when_idle: str  # the graph that runs when no drafts are verified next ("verify", or "decode" for plain)
+
+    def choose(self, batch: int) -> int:
+        """Drafts to verify per row in a step of `batch` rows (0 = none)."""
+        ...
+
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None: ...
+
+
+@dataclass
+class FixedVerify:
+    """Always verify `drafts` drafted tokens (block_size - 1: the whole block)."""
+
+    drafts: int
+    graph_when_idle: str = "verify"
+
+    def choose(self, batch: int) -> int:
+        return self.drafts
+
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+        pass
+
+
+@dataclass
+class PlainDecoding:
+    """No drafting at all: the `decode` graph, one token per step (the baseline on the same engine)."""
+
+    graph_when_idle: str = "decode"
+
+    def choose(self, batch: int) -> int:
+        return 0
+
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+        pass
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds per graph call, by graph and tokens in the call (batch x verify width), as moving averages;
+    sizes not measured yet are interpolated between measured ones (linearly in tokens, proportional above)."""
+
+    decay: float = 0.8  # weight of the old average
+    seconds: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def record(self, graph: str, tokens: int, seconds: float) -> None:
+        table = self.seconds.setdefault(graph, {})
+        old = table.get(tokens)
+        table[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def estimate(self, graph: str, tokens: int) -> float | None:
+        table = self.seconds.get(graph)
+        if not table:
+            return None
+        if tokens in table:
+            return table[tokens]
+        sizes = sorted(table)
+        at = bisect.bisect_left(sizes, tokens)
+        if at == 0:
+            return table[sizes[0]]
+        if at == len(sizes):
+            return table[sizes[-1]] * tokens / sizes[-1]
+        low, high = sizes[at - 1], sizes[at]
+        share = (tokens - low) / (high - low)
+        return table[low] + share * (table[high] - table[low])
+
+
+@dataclass
+class AdaptiveVerify:
+    """Verify the k that maximises expected tokens per second for the batch size at hand:
+    batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
+    per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch).
+
+    Acceptance at position j is only observed when j drafts are verified, so every `explore_every` steps the
+    whole block is verified to keep the estimates of the later positions current.
+    """
+
+    block_size: int
+    costs: StepCosts = field(default_factory=StepCosts)
+    explore_every: int = 32
+    graph_when_idle: str = "verify"
+    verified: np.ndarray = field(init=False)  # [B]: steps that verified position j (index 0 unused)
+    accepted: np.ndarray = field(init=False)  # [B]: of those, steps whose drafts 1..j were all accepted
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.verified = np.ones(self.block_size)  # a weak prior: half of each position accepted
+        self.accepted = np.full(self.block_size, 0.5)
+
+    def acceptance(self) -> np.ndarray:
+        """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1)."""
+        rates = self.accepted / self.verified
+        rates[0] = 1.0
+        return np.minimum.accumulate(np.clip(rates, 0.0, 1.0))
+
+    def expected_rate(self, batch: int, drafts: int) -> float:
+        """Expected tokens per second of a step verifying `drafts` per row (drafting the next block included)."""
+        tokens = batch * float(self.acceptance()[: drafts + 1].sum())
+        verify = self.costs.estimate("verify", batch * (drafts + 1))
+        draft = self.costs.estimate("draft", batch) if drafts > 0 else 0.0
+        if verify is None or draft is None:
+            return float("nan")
+        return tokens / max(verify + draft, 1e-9)
+
+    def choose(self, batch: int) -> int:
+        self.steps += 1
+        rates = [self.expected_rate(batch, k) for k in range(self.block_size)]
+        if self.steps % self.explore_every == 0 or any(np.isnan(r) for r in rates):
+            return self.block_size - 1  # explore (or nothing measured yet): verify everything
+        return int(np.argmax(rates))
+
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+        if graph == "verify":
+            self.costs.record("verify", batch * width, seconds)
+        else:  # a step: what it cost beyond verifying is the drafter's
+            verify = self.costs.estimate("verify", batch * width)
+            if verify is not None:
+                self.costs.record("draft", batch, max(seconds - verify, 0.0))
+        for accept_len in accept_lens:
+            self.verified[1:width] += 1
+            self.accepted[1 : accept_len + 1] += 1
+
+    def calibrate(self, engine: GraphEngine, max_tokens: int = 256) -> None:
+        """Time the verify graph at 1 and B tokens per row and the drafting at batch 1, 2, 4 ... (on free slots,
+        throw-away rows) so that the first choices are informed; live steps keep refining the averages."""
+        batch = 1
+        while batch <= engine.pool.free_slots and batch <= max_tokens:
+            for width in (1, engine.block_size):
+                if batch * width <= max_tokens:
+                    self.costs.record("verify", batch * width, _time_call(engine, "verify", batch, width))
+            if batch * engine.block_size <= max_tokens:
+                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1), [])
+            batch *= 2
+
+
+def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, repeats: int = 2) -> float:
+    """Seconds of one call on throw-away rows of the first free slots (their rows are stale: nothing is kept)."""
+    held = [engine.pool.acquire() for _ in range(batch)]
+    try:
+        call = StepBatch(
+            slots=torch.tensor(held),
+            block=torch.zeros(batch, width, dtype=torch.long),
+            start=torch.zeros(batch, dtype=torch.long),
+            uniforms=torch.zeros(batch, width),
+            sampling=SamplingTensors.of([GREEDY] * batch, engine.vocab_size),
+        )
+        best = float("inf")
+        for _ in range(repeats):
+            began = time.perf_counter()
+            engine.run(graph, call)
+            best = min(best, time.perf_counter() - began)
+        return best
+    finally:
+        for slot in held:
+            engine.pool.release(slot)
+
+
+class Scheduler:
+    """Sequences in, one batched step at a time; see the module docstring."""
+
+    def __init__(self, engine: GraphEngine, policy: VerifyPolicy | None = None) -> None:
+        self.engine = engine
+        self.policy: VerifyPolicy = policy or FixedVerify(engine.block_size - 1)
+        self.waiting: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.last_width = 0  # verify width of the last batched step (1 + drafts)
+        self.last_batch = 0
+
+    def submit(self, sequence: Sequence) -> None:
+        """Validate (raises RequestError with the reason) and queue for admission."""
+        if sequence.stats.block_size != self.engine.block_size:
+            sequence.stats = GenerationStats(self.engine.block_size)
+        sequence.validate(self.engine)
+        self.waiting.append(sequence)
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop a sequence now: it leaves the queue or the batch and its slot is freed."""
+        sequence.stats.finish_reason = "cancelled"
+        sequence.finished = True
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+        elif sequence in self.active:
+            self._retire(sequence)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Admit, run one batched step, commit, retire: the tokens each sequence emitted (possibly none)."""
+        emitted = self._admit()
+        if self.active:
+            emitted += self._batched_step()
+        for sequence in [s for s in self.active if s.finished]:
+            self._retire(sequence)
+        return emitted
+
+    def _admit(self) -> list[tuple[Sequence, list[int]]]:
+        emitted = []
+        while self.waiting and self.engine.pool.free_slots:
+            sequence = self.waiting.popleft()
+            sequence.slot = self.engine.pool.acquire()
+            sequence.began = time.perf_counter()
+            out = self.engine.prefill(sequence.slot, sequence.prompt, float(sequence.uniforms[0]), sequence.sampling)
+            self.active.append(sequence)
+            emitted.append(
+                (
+                    sequence,
+                    sequence.commit(out.target_tokens[0].tolist(), 0, 0, out.next_block[0].numpy(), int(out.next_start[0])),
+                )
+            )
+        return emitted
+
+    def _batched_step(self) -> list[tuple[Sequence, list[int]]]:
+        rows = [s for s in self.active if not s.finished]
+        if not rows:
+            return []
+        wanted = self.policy.choose(len(rows))
+        drafts = min(wanted, *(s.drafts for s in rows))
+        graph = "step" if wanted > 0 else self.policy.graph_when_idle
+        batch = self._batch(rows, 1 + drafts)
+        began = time.perf_counter()
+        out = self.engine.run(graph, batch)
+        seconds = time.perf_counter() - began
+        accept_lens = out.accept_len.tolist()
+        self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens)
+        self.last_width, self.last_batch = 1 + drafts, len(rows)
+        return [self._commit(s, out, row, accept_lens[row], drafts) for row, s in enumerate(rows)]
+
+    def _batch(self, rows: list[Sequence], width: int) -> StepBatch:
+        uniforms = np.stack([s.uniforms[len(s.tokens) : len(s.tokens) + width] for s in rows])  # [B, V]
+        return StepBatch(
+            slots=torch.tensor([s.slot for s in rows]),
+            block=torch.from_numpy(np.stack([s.block[:width] for s in rows])),
+            start=torch.tensor([s.start for s in rows]),
+            uniforms=torch.from_numpy(uniforms),
+            sampling=SamplingTensors.of([s.sampling for s in rows], self.engine.vocab_size),
+        )
+
+    @staticmethod
+    def _commit(sequence: Sequence, out: StepResult, row: int, accept_len: int, verified: int) -> tuple[Sequence, list[int]]:
+        tokens = out.target_tokens[row, : accept_len + 1].tolist()
+        new = sequence.commit(tokens, accept_len, verified, out.next_block[row].numpy(), int(out.next_start[row]))
+        return sequence, new
+
+    def _retire(self, sequence: Sequence) -> None:
+        self.active.remove(sequence)
+        self.engine.pool.release(sequence.slot)
+        sequence.slot = -1

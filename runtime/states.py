@@ -1,0 +1,101 @@
+"""Engine-owned state: one description of every state a built pair keeps per sequence, and the slot pool.
+
+A state is positional (row t of a sequence holds what its token at position t produced: target K/V, draft
+context K/V) or recurrent (one fixed-size value per sequence that each committed token updates in place, such as
+a Gated DeltaNet state or a causal-conv window). Export, the runners, the manifest and serving all read
+these descriptions; nothing else names the states.
+
+The pool holds every state for `max_batch` slots, allocated once: a tensor [layers, slots, *per_sequence]. A
+sequence takes a slot when it is admitted and gives it back when it ends; graphs read each state by
+(slot, position) and the engine writes the rows a graph returns into the same tensors. Rows at or past a
+sequence's committed length are stale and masked by position, so nothing is cleared when a slot is reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+StateKind = Literal["positional", "recurrent"]
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One kind of per-sequence state, e.g. the target's attention keys."""
+
+    name: str  # graph input name, e.g. "target_k"
+    kind: StateKind
+    layers: int  # how many layers own one each
+    shape: tuple[int, ...]  # per sequence and layer; positional states lead with the position axis
+    dtype: str  # key of DTYPES
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def pool_shape(self, slots: int) -> tuple[int, ...]:
+        return (self.layers, slots, *self.shape)
+
+    def bytes_per_sequence(self) -> int:
+        count = self.layers
+        for size in self.shape:
+            count *= size
+        return count * self.torch_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "shape": list(self.shape)}
+
+    @staticmethod
+    def from_json(record: dict[str, Any]) -> StateSpec:
+        return StateSpec(record["name"], record["kind"], record["layers"], tuple(record["shape"]), record["dtype"])
+
+
+def attention_states(prefix: str, layers: int, positions: int, kv_heads: int, head_dim: int, dtype: str) -> tuple[StateSpec, ...]:
+    """The K and V of `layers` attention layers, position-indexed: `{prefix}_k`, `{prefix}_v`."""
+    shape = (positions, kv_heads, head_dim)
+    return tuple(StateSpec(f"{prefix}_{kind}", "positional", layers, shape, dtype) for kind in ("k", "v"))
+
+
+class NoFreeSlot(RuntimeError):
+    """Every slot of the pool is taken."""
+
+
+class StatePool:
+    """Every state for `slots` sequences, allocated once; slots are handed out and returned by number."""
+
+    def __init__(self, specs: tuple[StateSpec, ...], slots: int, device: torch.device | str = "cpu") -> None:
+        if slots < 1:
+            raise ValueError(f"a state pool needs at least one slot, got {slots}")
+        self.specs = specs
+        self.slots = slots
+        self.tensors = {s.name: torch.zeros(s.pool_shape(slots), dtype=s.torch_dtype, device=device) for s in specs}
+        self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise NoFreeSlot(f"all {self.slots} slots are in use")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.slots or slot in self._free:
+            raise ValueError(f"slot {slot} is not held (pool of {self.slots})")
+        self._free.append(slot)
+
+    def write_rows(self, name: str, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write a positional state in place: slots [B], positions [B, S], rows [layers, B, S, *row_shape]."""
+        self.tensors[name][:, slots[:, None], positions] = rows.to(self.tensors[name].dtype)
+
+    def write_values(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace a recurrent state in place: slots [B], values [layers, B, *shape]."""
+        self.tensors[name][:, slots] = values.to(self.tensors[name].dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

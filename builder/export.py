@@ -35,7 +35,9 @@ AXIS_RANGES = {"batch": (1, 1024), "verify": (1, 64), "sampled": (0, 1024), "can
 
 def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
     """Example inputs for one graph, built from its schema, and their dynamic axes."""
-    dims = {axis: Dim(axis, min=low, max=high) if high else Dim(axis, min=low) for axis, (low, high) in AXIS_RANGES.items()}
+    ranges = {**AXIS_RANGES, "drafts": (1, spec.block_size - 1)}
+    sizes = {**EXAMPLE_SIZES, "drafts": max(2, spec.block_size - 2)}
+    dims = {axis: Dim(axis, min=low, max=high) if high else Dim(axis, min=low) for axis, (low, high) in ranges.items()}
     values = {
         "start": torch.tensor([7, 9, 4]),
         "slots": torch.tensor([5, 0, 2]),
@@ -49,13 +51,11 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
         if tensor.dtype == "state":
             state = next(s for s in spec.states if s.name == tensor.name)
             inputs.append(
-                torch.zeros(
-                    (state.layers, EXAMPLE_SIZES["slots"], EXAMPLE_SIZES["positions"], *state.shape[1:]), dtype=spec.torch_dtype
-                )
+                torch.zeros((state.layers, sizes["slots"], sizes["positions"], *state.shape[1:]), dtype=spec.torch_dtype)
             )
             axes.append({1: dims["slots"], 2: dims["positions"]})
             continue
-        shape = tuple(int(a) if a.isdigit() else EXAMPLE_SIZES[a] for a in tensor.axes)
+        shape = tuple(int(a) if a.isdigit() else sizes[a] for a in tensor.axes)
         if tensor.name in values:
             inputs.append(values[tensor.name])
         elif tensor.dtype == "float32":

@@ -48,9 +48,12 @@ class DFlashGraphs(nn.Module):
         self.mask_token_id = drafter.config.mask_token_id
 
     def draft_block(
-        self, first_token: torch.Tensor, start: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor
+        self, first_token: torch.Tensor, start: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, drafts: int
     ) -> torch.Tensor:
-        """first_token, start: [B]; ctx_k/v: [Ld, B, T, Hkv, D] position-indexed, rows < start visible -> block [B, S]."""
+        """first_token, start: [B]; ctx_k/v: [Ld, B, T, Hkv, D] position-indexed, rows < start visible -> block [B, 1 + drafts].
+
+        The drafter always denoises the whole block (what it was trained on); only the first `drafts` slots go
+        through the LM head."""
         offsets = torch.arange(self.block_size, device=start.device)
         masks = torch.full_like(offsets, self.mask_token_id)[None, :].expand(start.shape[0], -1)
         block = torch.cat([first_token[:, None], masks[:, 1:]], dim=1)  # [B, S]
@@ -58,9 +61,9 @@ class DFlashGraphs(nn.Module):
         hidden = self.drafter(embeds.to(ctx_k.dtype), start[:, None] + offsets, ctx_k, ctx_v, start)
         lm_head = self.target.lm_head.weight.to(hidden.dtype)
         if self.drafter.config.output_multiplier > 0:  # scaling and softcapping keep the argmax: skip them
-            logits = torch.nn.functional.linear(hidden[:, 1:], lm_head)
+            logits = torch.nn.functional.linear(hidden[:, 1 : 1 + drafts], lm_head)
         else:
-            logits = draft_logits(hidden[:, 1:], lm_head, self.drafter.config)
+            logits = draft_logits(hidden[:, 1 : 1 + drafts], lm_head, self.drafter.config)
         return torch.cat([first_token[:, None], logits.argmax(dim=-1)], dim=1)  # slot j predicts the token at slot j
 
     def prefill(
@@ -79,7 +82,7 @@ class DFlashGraphs(nn.Module):
         out = self.target(input_ids, positions, self._no_past(batch, input_ids.device), logits_to_keep=1)
         first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D]
-        next_block = self.draft_block(first, torch.full_like(first, length), ctx_k, ctx_v)
+        next_block = self.draft_block(first, torch.full_like(first, length), ctx_k, ctx_v, self.block_size - 1)
         return first, next_block, out.k, out.v, ctx_k, ctx_v
 
     def step(
@@ -89,6 +92,7 @@ class DFlashGraphs(nn.Module):
         slots: torch.Tensor,
         visible_rows: torch.Tensor,
         uniforms: torch.Tensor,
+        draft_slots: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
@@ -99,7 +103,8 @@ class DFlashGraphs(nn.Module):
         draft_k: torch.Tensor,
         draft_v: torch.Tensor,
     ) -> Outputs:
-        """block: [B, V] at positions start..start+V-1; uniforms: [B, V]; states: the pool [L, N, T, Hkv, D]."""
+        """block: [B, V] at positions start..start+V-1; uniforms: [B, V]; states: the pool [L, N, T, Hkv, D];
+        draft_slots: [K] -> next_block [B, 1 + K]."""
         sampling = (temperature, top_k, top_p, sampled_rows, candidate_slots)
         tokens, accept_len, next_start, target_rows, ctx_rows = self._verify(
             block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
@@ -110,7 +115,7 @@ class DFlashGraphs(nn.Module):
         ctx_k = write_rows(past.k, ctx_rows[0], positions)  # [Ld, B, R + V, Hkv, D]
         ctx_v = write_rows(past.v, ctx_rows[1], positions)
         bonus = tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
-        next_block = self.draft_block(bonus, next_start, ctx_k, ctx_v)
+        next_block = self.draft_block(bonus, next_start, ctx_k, ctx_v, draft_slots.shape[0])
         return tokens, accept_len, next_block, next_start, *target_rows, *ctx_rows
 
     def verify(

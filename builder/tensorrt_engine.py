@@ -71,6 +71,7 @@ def axis_bounds(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
         "sampled": (0, 0, spec.max_batch_size),
         "prompt": (1, min(256, spec.max_seq_len), spec.max_seq_len),
         "verify": (1, spec.block_size, spec.block_size),
+        "drafts": (1, spec.block_size - 1, spec.block_size - 1),
         "rows": (1, min(512, spec.positions), spec.positions),
         "candidates": (1, 1, min(spec.vocab_size, TOPK_LIMIT)),
         "slots": (spec.max_batch_size,) * 3,  # the pool is allocated once for --max-batch-size

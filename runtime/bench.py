@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
+from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from dflash_trt.runtime.repository import load_engine
@@ -216,11 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
     parser.add_argument("--against", choices=("transformers", "zlab"), action="append", default=[])
     parser.add_argument("--served", metavar="HOST:PORT", help="also stream the prompts from a dflash-serve gRPC endpoint")
+    parser.add_argument(
+        "--concurrency",
+        help="comma-separated client counts (e.g. 1,4,16,64): measure in-flight batching under load instead "
+        "(DFlash batched vs one at a time vs plain batched decoding, same engine)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
 
-    engine, manifest = load_engine(args.repo, args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
     if args.block_size is not None and args.block_size != engine.block_size:
         parser.error(
             f"--block-size {args.block_size}: this engine was built with block size {engine.block_size}; "
@@ -236,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode_prompt(tokenizer, text) for text in texts]
     greedy = args.temperature == 0
 
+    if levels:
+        rows = load_table(engine, prompts, args.max_tokens, levels)
+        if args.json:
+            settings = {"threads": args.threads, "max_tokens": args.max_tokens, "dataset": args.dataset}
+            args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+        return 0
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
     runs = run_engine(engine, prompts, args.max_tokens, sampling)
     plain_rates, dflash_rates = [decode_rate(r) for r in runs.plain], [decode_rate(r) for r in runs.dflash]

@@ -91,6 +91,7 @@ class StepBatch:
     start: torch.Tensor  # [B]
     uniforms: torch.Tensor  # [B, V] float32: the uniform of each slot's token
     sampling: SamplingTensors
+    drafts: int = 0  # "step" only: drafts to compute for the next block (1 .. block_size - 1)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class GraphEngine:
         self.runner, self.spec = runner, spec
         self.block_size, self.max_seq_len, self.vocab_size = spec.block_size, spec.max_seq_len, spec.vocab_size
         self.pool = StatePool(spec.states, max_batch or spec.max_batch_size)
-        self._row_carriers: dict[int, torch.Tensor] = {}
+        self._carriers: dict[int, torch.Tensor] = {}
 
     def prefill(self, slot: int, prompt: list[int], uniform: float, sampling: SamplingParams) -> StepResult:
         """One prompt into pool slot `slot` -> its first token (target_tokens[:, 0]) and first draft block."""
@@ -129,6 +130,7 @@ class GraphEngine:
         """graph: "step" | "verify" | "decode" over the batch's slots; writes the computed rows into the pool."""
         visible = self._visible_rows(int(batch.start.max()))
         inputs = {
+            "draft_slots": self._carrier(max(batch.drafts, 1)),
             "block": batch.block,
             "start": batch.start,
             "slots": batch.slots,
@@ -145,10 +147,13 @@ class GraphEngine:
 
     def _visible_rows(self, largest_start: int) -> torch.Tensor:
         """A shape carrier of length R >= largest_start, rounded up to ROW_BUCKET (at most the pool's positions)."""
-        rows = min(-(-max(largest_start, 1) // ROW_BUCKET) * ROW_BUCKET, self.spec.positions)
-        if rows not in self._row_carriers:
-            self._row_carriers[rows] = torch.empty(rows, dtype=torch.long)
-        return self._row_carriers[rows]
+        return self._carrier(min(-(-max(largest_start, 1) // ROW_BUCKET) * ROW_BUCKET, self.spec.positions))
+
+    def _carrier(self, length: int) -> torch.Tensor:
+        """An int64 tensor whose length is the value a graph reads from it (kept: made once per length)."""
+        if length not in self._carriers:
+            self._carriers[length] = torch.empty(length, dtype=torch.long)
+        return self._carriers[length]
 
     def _write_rows(self, out: dict[str, torch.Tensor], slots: torch.Tensor, positions: torch.Tensor) -> None:
         for state in self.spec.states:

@@ -47,9 +47,10 @@ STEP_INPUTS = (
 STEP_OUTPUTS = (
     TensorSpec("target_tokens", "int64", ("batch", "verify")),  # the target's choice at every slot
     TensorSpec("accept_len", "int64", ("batch",)),  # accepted drafts: emit target_tokens[:, :accept_len + 1]
-    TensorSpec("next_block", "int64", ("batch", "next")),  # [bonus token, drafts...] at next_start..
+    TensorSpec("next_block", "int64", ("batch", "next")),  # [bonus token, drafts...] at next_start: 1 + len(draft_slots)
     TensorSpec("next_start", "int64", ("batch",)),
 )
+DRAFT_INPUTS = (TensorSpec("draft_slots", "int64", ("drafts",)),)  # only its length matters: drafts to compute
 PREFILL_INPUTS = (TensorSpec("input_ids", "int64", ("batch", "prompt")), TensorSpec("uniforms", "float32", ("batch", "1")))
 PREFILL_OUTPUTS = (TensorSpec("first_token", "int64", ("batch",)), TensorSpec("next_block", "int64", ("batch", "next")))
 
@@ -64,12 +65,13 @@ def owner(state: StateSpec) -> str:
 
 def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec, ...]:
     fixed = PREFILL_INPUTS if graph == "prefill" else STEP_INPUTS
+    drafting = DRAFT_INPUTS if graph == "step" else ()
     read = tuple(
         TensorSpec(s.name, "state", (str(s.layers), "slots", str(s.shape[0]), *map(str, s.shape[1:])))
         for s in states
         if owner(s) in READS[graph]
     )
-    return (*fixed, *SAMPLING, *read)
+    return (*fixed, *drafting, *SAMPLING, *read)
 
 
 def graph_outputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec, ...]:

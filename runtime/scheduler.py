@@ -35,7 +35,8 @@ class VerifyPolicy(Protocol):
         """Drafts to verify per row in a step of `batch` rows (0 = none)."""
         ...
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None: ...
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+        """A graph call of `batch` rows verifying `width` tokens each (and drafting `drafted`) took `seconds`."""
 
 
 @dataclass
@@ -48,7 +49,7 @@ class FixedVerify:
     def choose(self, batch: int) -> int:
         return self.drafts
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         pass
 
 
@@ -61,7 +62,7 @@ class PlainDecoding:
     def choose(self, batch: int) -> int:
         return 0
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         pass
 
 
@@ -101,17 +102,22 @@ class AdaptiveVerify:
     batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
     per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch).
 
-    Acceptance at position j is only observed when j drafts are verified, so every `explore_every` steps the
-    whole block is verified to keep the estimates of the later positions current.
+    Acceptance at position j is only observed when j drafts are verified. To keep the estimates of positions
+    beyond the chosen k current, the policy now and then verifies `explore_extra` more (two steps: one that
+    drafts them, one that verifies them), but only once the steps since the last look have cost
+    `explore_budget` times what the look costs: exploring stays within about 1/explore_budget of the time.
     """
 
     block_size: int
     costs: StepCosts = field(default_factory=StepCosts)
-    explore_every: int = 32
+    explore_extra: int = 2
+    explore_budget: float = 50.0
+    decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
     graph_when_idle: str = "verify"
     verified: np.ndarray = field(init=False)  # [B]: steps that verified position j (index 0 unused)
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps whose drafts 1..j were all accepted
-    steps: int = 0
+    since_look: float = 0.0  # seconds of steps since the last exploration
+    exploring: int = 0  # steps left of the current exploration
 
     def __post_init__(self) -> None:
         self.verified = np.ones(self.block_size)  # a weak prior: half of each position accepted
@@ -123,47 +129,67 @@ class AdaptiveVerify:
         rates[0] = 1.0
         return np.minimum.accumulate(np.clip(rates, 0.0, 1.0))
 
-    def expected_rate(self, batch: int, drafts: int) -> float:
-        """Expected tokens per second of a step verifying `drafts` per row (drafting the next block included)."""
-        tokens = batch * float(self.acceptance()[: drafts + 1].sum())
+    def step_cost(self, batch: int, drafts: int) -> float | None:
+        """Seconds of a step verifying `drafts` per row and drafting as many for the next one."""
         verify = self.costs.estimate("verify", batch * (drafts + 1))
-        draft = self.costs.estimate("draft", batch) if drafts > 0 else 0.0
-        if verify is None or draft is None:
-            return float("nan")
-        return tokens / max(verify + draft, 1e-9)
+        if drafts == 0 or verify is None:
+            return verify
+        measured = [k for k in range(1, self.block_size) if f"draft{k}" in self.costs.seconds]
+        if not measured:
+            return None
+        nearest = min(measured, key=lambda k: abs(k - drafts))
+        draft = self.costs.estimate(f"draft{nearest}", batch)
+        return None if draft is None else verify + draft
+
+    def expected_rate(self, batch: int, drafts: int) -> float:
+        cost = self.step_cost(batch, drafts)
+        tokens = batch * float(self.acceptance()[: drafts + 1].sum())
+        return float("nan") if cost is None else tokens / max(cost, 1e-9)
 
     def choose(self, batch: int) -> int:
-        self.steps += 1
         rates = [self.expected_rate(batch, k) for k in range(self.block_size)]
-        if self.steps % self.explore_every == 0 or any(np.isnan(r) for r in rates):
-            return self.block_size - 1  # explore (or nothing measured yet): verify everything
-        return int(np.argmax(rates))
+        if any(np.isnan(r) for r in rates):
+            return self.block_size - 1  # nothing measured yet: verify everything and measure
+        best = int(np.argmax(rates))
+        look = min(best + self.explore_extra, self.block_size - 1)
+        if self.exploring:
+            self.exploring -= 1
+            return look
+        extra = (self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0)
+        if look > best and self.since_look >= self.explore_budget * 2 * max(extra, 0.0):
+            self.since_look, self.exploring = 0.0, 1
+            return look
+        return best
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int]) -> None:
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+        self.since_look += seconds
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
-        else:  # a step: what it cost beyond verifying is the drafter's
+        elif graph == "step":  # what it cost beyond verifying is the drafter's
             verify = self.costs.estimate("verify", batch * width)
             if verify is not None:
-                self.costs.record("draft", batch, max(seconds - verify, 0.0))
+                self.costs.record(f"draft{drafted}", batch, max(seconds - verify, 0.0))
+        self.verified *= self.decay
+        self.accepted *= self.decay
         for accept_len in accept_lens:
             self.verified[1:width] += 1
             self.accepted[1 : accept_len + 1] += 1
 
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256) -> None:
-        """Time the verify graph at 1 and B tokens per row and the drafting at batch 1, 2, 4 ... (on free slots,
+        """Time the verify graph at 1 and B tokens per row and drafting at batch 1, 2, 4 ... (on free slots,
         throw-away rows) so that the first choices are informed; live steps keep refining the averages."""
         batch = 1
+        drafts = engine.block_size - 1
         while batch <= engine.pool.free_slots and batch <= max_tokens:
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
-                    self.costs.record("verify", batch * width, _time_call(engine, "verify", batch, width))
+                    self.costs.record("verify", batch * width, _time_call(engine, "verify", batch, width, drafts))
             if batch * engine.block_size <= max_tokens:
-                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1), [])
+                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1, drafts), [], drafts)
             batch *= 2
 
 
-def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, repeats: int = 2) -> float:
+def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, repeats: int = 2) -> float:
     """Seconds of one call on throw-away rows of the first free slots (their rows are stale: nothing is kept)."""
     held = [engine.pool.acquire() for _ in range(batch)]
     try:
@@ -173,6 +199,7 @@ def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, repeats:
             start=torch.zeros(batch, dtype=torch.long),
             uniforms=torch.zeros(batch, width),
             sampling=SamplingTensors.of([GREEDY] * batch, engine.vocab_size),
+            drafts=drafts,
         )
         best = float("inf")
         for _ in range(repeats):
@@ -188,13 +215,16 @@ def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, repeats:
 class Scheduler:
     """Sequences in, one batched step at a time; see the module docstring."""
 
-    def __init__(self, engine: GraphEngine, policy: VerifyPolicy | None = None) -> None:
+    def __init__(self, engine: GraphEngine, policy: VerifyPolicy | None = None, max_active: int | None = None) -> None:
         self.engine = engine
+        self.max_active = max_active or engine.pool.slots  # 1: serve one request at a time
         self.policy: VerifyPolicy = policy or FixedVerify(engine.block_size - 1)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
-        self.last_width = 0  # verify width of the last batched step (1 + drafts)
-        self.last_batch = 0
+        self.last_width = 0  # verify width of the last batched step (1 + drafts); 0: no batched step ran
+        self.last_batch = 0  # rows of the last batched step
+        self.last_graph_seconds = 0.0  # its graph call
+        self.last_prefill_seconds = 0.0  # prefills of the sequences admitted in the same step()
 
     def submit(self, sequence: Sequence) -> None:
         """Validate (raises RequestError with the reason) and queue for admission."""
@@ -218,6 +248,8 @@ class Scheduler:
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Admit, run one batched step, commit, retire: the tokens each sequence emitted (possibly none)."""
+        self.last_batch = self.last_width = 0
+        self.last_graph_seconds = self.last_prefill_seconds = 0.0
         emitted = self._admit()
         if self.active:
             emitted += self._batched_step()
@@ -227,11 +259,12 @@ class Scheduler:
 
     def _admit(self) -> list[tuple[Sequence, list[int]]]:
         emitted = []
-        while self.waiting and self.engine.pool.free_slots:
+        while self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active:
             sequence = self.waiting.popleft()
             sequence.slot = self.engine.pool.acquire()
             sequence.began = time.perf_counter()
             out = self.engine.prefill(sequence.slot, sequence.prompt, float(sequence.uniforms[0]), sequence.sampling)
+            self.last_prefill_seconds += time.perf_counter() - sequence.began
             self.active.append(sequence)
             emitted.append(
                 (
@@ -248,16 +281,16 @@ class Scheduler:
         wanted = self.policy.choose(len(rows))
         drafts = min(wanted, *(s.drafts for s in rows))
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
-        batch = self._batch(rows, 1 + drafts)
+        batch = self._batch(rows, 1 + drafts, wanted)
         began = time.perf_counter()
         out = self.engine.run(graph, batch)
         seconds = time.perf_counter() - began
         accept_lens = out.accept_len.tolist()
-        self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens)
-        self.last_width, self.last_batch = 1 + drafts, len(rows)
+        self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens, wanted if graph == "step" else 0)
+        self.last_width, self.last_batch, self.last_graph_seconds = 1 + drafts, len(rows), seconds
         return [self._commit(s, out, row, accept_lens[row], drafts) for row, s in enumerate(rows)]
 
-    def _batch(self, rows: list[Sequence], width: int) -> StepBatch:
+    def _batch(self, rows: list[Sequence], width: int, drafts: int) -> StepBatch:
         uniforms = np.stack([s.uniforms[len(s.tokens) : len(s.tokens) + width] for s in rows])  # [B, V]
         return StepBatch(
             slots=torch.tensor([s.slot for s in rows]),
@@ -265,6 +298,7 @@ class Scheduler:
             start=torch.tensor([s.start for s in rows]),
             uniforms=torch.from_numpy(uniforms),
             sampling=SamplingTensors.of([s.sampling for s in rows], self.engine.vocab_size),
+            drafts=drafts,
         )
 
     @staticmethod

@@ -131,9 +131,8 @@ def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets:
     ]
     block, start = torch.cat([f.next_block for f in firsts[0]]), torch.cat([f.next_start for f in firsts[0]])
     for graph, width in (("step", 16), ("verify", 4), ("step", 1), ("decode", 1)):
-        batch = StepBatch(
-            slots, block[:, :width], start, torch.full((2, width), 0.5), SamplingTensors.of([SamplingParams()] * 2, 96)
-        )
+        sampling = SamplingTensors.of([SamplingParams()] * 2, 96)
+        batch = StepBatch(slots, block[:, :width], start, torch.full((2, width), 0.5), sampling, drafts=15)
         outs = [e.run(graph, batch) for e in (reference, ort_engine)]
         assert torch.equal(outs[0].target_tokens, outs[1].target_tokens) and torch.equal(outs[0].next_block, outs[1].next_block)
         block, start = outs[0].next_block, outs[0].next_start

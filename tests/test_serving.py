@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import queue
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,9 +15,18 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from dflash_trt.builder.repository import TOKENIZER_DIR
-from dflash_trt.client.triton_client import Request, ServerError, grpc_stream, http_generate_stream, stream_text, stream_tokens
-from dflash_trt.runtime.loop import generate
+from dflash_trt.client.triton_client import (
+    Request,
+    ServerError,
+    _grpc_inputs,
+    grpc_stream,
+    http_generate_stream,
+    stream_text,
+    stream_tokens,
+)
+from dflash_trt.runtime.loop import StopCriteria, generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.sampling import SamplingParams
 from transformers import AutoTokenizer
 
 from tests.conftest import running_server
@@ -77,35 +88,121 @@ def _metric(server: Server, name: str) -> float:
     return float(match.group(1))
 
 
-def test_eight_concurrent_streams_are_isolated_and_counted(
-    server: Server, tiny_repo: Path, in_process: dict[str, list[int]]
-) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_repo / TOKENIZER_DIR)
-    engine, _ = load_engine(tiny_repo)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    expected_draft = sum(generate(engine, tokenizer(p)["input_ids"], MAX_TOKENS).stats.draft_tokens for p in prompts)
-    expected_accepted = sum(generate(engine, tokenizer(p)["input_ids"], MAX_TOKENS).stats.accepted_draft_tokens for p in prompts)
-    before = {
-        n: _metric(server, n)
-        for n in ("dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total", "dflash_generated_tokens_total")
-    }
-    results: dict[int, list[int]] = {}
+def _final_stats(server: Server, prompt: list[int], request: Request) -> tuple[list[int], dict[str, float]]:
+    tokens, last = [], {}
+    for response in stream_tokens(server.grpc, prompt, request):
+        tokens.extend(response["tokens"])
+        last = response
+    return tokens, last
 
-    def client(index: int) -> None:
-        results[index] = [t for r in _tokens(server, prompts[index], tokenizer) for t in r]
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+def _concurrently(count: int, work) -> dict[int, object]:  # noqa: ANN001
+    results: dict[int, object] = {}
+
+    def run(index: int) -> None:
+        try:
+            results[index] = work(index)
+        except Exception as error:  # surfaced by the caller's assertion, with its message
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=300)
-    assert all(results[i] == in_process[prompts[i]] for i in range(8))
-    assert grpcclient.InferenceServerClient(server.grpc).is_server_ready()
-    assert _metric(server, "dflash_draft_tokens_total") - before["dflash_draft_tokens_total"] == expected_draft
-    assert (
-        _metric(server, "dflash_accepted_draft_tokens_total") - before["dflash_accepted_draft_tokens_total"] == expected_accepted
+        thread.join(timeout=600)
+    return results
+
+
+MIXED = 32
+
+
+def _mixed_request(index: int) -> tuple[list[int], Request]:
+    """Client `index` of MIXED: prompt lengths 2..31, max_tokens 4..60, every third seeded sampling (T=0.9, top-k 20)."""
+    generator = np.random.default_rng(index)
+    prompt = generator.integers(1, 90, int(generator.integers(2, 32))).tolist()
+    sampled = index % 3 == 2
+    request = Request(
+        int(generator.integers(4, 61)),
+        temperature=0.9 if sampled else 0.0,
+        top_k=20 if sampled else 0,
+        seed=500 + index if sampled else None,
     )
-    assert _metric(server, "dflash_generated_tokens_total") - before["dflash_generated_tokens_total"] == 8 * MAX_TOKENS
+    return prompt, request
+
+
+def test_32_concurrent_mixed_clients_each_get_what_they_get_alone(server: Server, tiny_repo: Path) -> None:
+    """Greedy rows equal serial greedy decoding, seeded rows equal the same request served alone; requests join and
+    leave a running batch (8 slots, 32 clients); the counters add up to what the clients were told."""
+    engine, _ = load_engine(tiny_repo)
+    expected = {}
+    for index in range(MIXED):
+        prompt, request = _mixed_request(index)
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, request.seed)
+        expected[index] = generate_plain(engine, prompt, request.max_tokens, sampling).tokens
+    names = ("dflash_draft_tokens_total", "dflash_accepted_draft_tokens_total", "dflash_generated_tokens_total")
+    before = {n: _metric(server, n) for n in names}
+    results = _concurrently(MIXED, lambda i: _final_stats(server, *_mixed_request(i)))
+    for index in range(MIXED):
+        assert not isinstance(results[index], Exception), results[index]
+        assert results[index][0] == expected[index], f"client {index}: {_mixed_request(index)[1]}"
+    assert grpcclient.InferenceServerClient(server.grpc).is_server_ready()
+    finals = [results[i][1] for i in range(MIXED)]
+    assert _metric(server, "dflash_draft_tokens_total") - before[names[0]] == sum(f["total_draft_tokens"] for f in finals)
+    assert _metric(server, "dflash_accepted_draft_tokens_total") - before[names[1]] == sum(
+        f["total_accepted_draft_tokens"] for f in finals
+    )
+    assert _metric(server, "dflash_generated_tokens_total") - before[names[2]] == sum(len(expected[i]) for i in range(MIXED))
+    assert _metric(server, "dflash_free_slots") == 8
+
+
+def test_a_bad_request_in_a_busy_batch_gets_its_error_and_the_others_finish(server: Server, tiny_repo: Path) -> None:
+    engine, _ = load_engine(tiny_repo)
+
+    def work(index: int) -> object:
+        if index == 3:
+            return list(stream_tokens(server.grpc, [5, 6, 7], Request(8, temperature=1.0, top_p=0.0)))
+        prompt, request = _mixed_request(index)
+        return _final_stats(server, prompt, Request(request.max_tokens))[0]
+
+    results = _concurrently(6, work)
+    assert isinstance(results[3], ServerError) and "top_p=0.0 is outside" in str(results[3])
+    for index in (0, 1, 2, 4, 5):
+        prompt, request = _mixed_request(index)
+        assert results[index] == generate_plain(engine, prompt, request.max_tokens).tokens
+
+
+def test_cancel_mid_stream_frees_the_slot_for_the_next_request(server: Server, tiny_repo: Path) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    inputs = _grpc_inputs("input_ids", np.array([5, 6, 7, 8], dtype=np.int64), Request(200))
+    client.async_stream_infer("dflash", inputs, enable_empty_final_response=True)
+    answers.get(timeout=60)  # generating
+    assert _metric(server, "dflash_free_slots") == 7
+    began = time.perf_counter()
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    while _metric(server, "dflash_free_slots") != 8:
+        assert time.perf_counter() - began < 10, "the cancelled request kept its slot"
+        time.sleep(0.05)
+    engine, _ = load_engine(tiny_repo)
+    assert _final_stats(server, [9, 8, 7], Request(6))[0] == generate_plain(engine, [9, 8, 7], 6).tokens
+
+
+def test_served_end_id_and_stop_words_end_generation(server: Server, tiny_repo: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_repo / TOKENIZER_DIR)
+    engine, _ = load_engine(tiny_repo)
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    full = generate_plain(engine, prompt, MAX_TOKENS).tokens
+    end_id = full[10]
+    cut = full.index(end_id) + 1
+    assert _final_stats(server, prompt, Request(MAX_TOKENS, end_id=end_id))[0] == full[:cut]
+    stop_word = tokenizer.decode(full[12:14])
+    stop_at = StopCriteria(stop_strings=(stop_word,), decode=tokenizer.decode).first_stop(full, 0)
+    assert stop_at is not None and stop_at < len(full)
+    assert _final_stats(server, prompt, Request(MAX_TOKENS, stop_words=(stop_word,)))[0] == full[:stop_at]
+    text = "".join(r["text"] for r in stream_text(server.grpc, PROMPTS[0], Request(MAX_TOKENS, stop_words=(stop_word,))))
+    assert text == tokenizer.decode(full[:stop_at], skip_special_tokens=True)
 
 
 def _raw_inputs(**tensors: np.ndarray) -> list[grpcclient.InferInput]:

@@ -1,28 +1,93 @@
-"""Triton Python model (decoupled): the DFlash draft-verify loop over the built engines.
+"""Triton Python model (decoupled): DFlash with in-flight batching over the built engines.
 
-Requests are served one at a time (Triton queues the rest). Each step's accepted tokens go out as one
-response as soon as they are verified; tokens that end inside a multi-byte character are held back so
+`execute` only admits: it parses each request into a `Sequence` and hands it to the serving thread. That thread
+owns the scheduler: between steps it takes in new requests, runs one batched step for every active sequence,
+sends each its verified tokens at once, and retires finished, stopped, failed and cancelled ones (slot freed).
+One request's error is that request's alone. Tokens that end inside a multi-byte character are held back so
 that the postprocessing model never emits half a character.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from dflash_trt.runtime.loop import GenerationStats, StopCriteria, stream_dflash
+from dflash_trt.runtime.loop import Sequence, StopCriteria
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
+from dflash_trt.runtime.scheduler import AdaptiveVerify, Scheduler
 from transformers import AutoTokenizer
 
 PREFIX_CONTEXT = 4  # tokens of already-sent text the detokenizer sees again, for tokenizers with context-dependent spacing
+IDLE_WAIT_SECONDS = 0.5  # how long the serving thread sleeps on an empty queue before looking again
+STEP_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0]
 
 
 def _scalar(request: object, name: str, default: object) -> object:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
+
+
+@dataclass
+class Client:
+    """A request in flight: what it asked for, where its responses go, and how much of its output was sent."""
+
+    request: object
+    sender: object
+    sequence: Sequence
+    streaming: bool
+    arrived: float = field(default_factory=time.perf_counter)
+    sent: int = 0
+
+
+class Metrics:
+    """Counters, gauges and histograms on Triton's metrics port (label model="dflash")."""
+
+    FAMILIES = {
+        "draft": ("dflash_draft_tokens_total", "Draft tokens verified by the target", "COUNTER"),
+        "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target", "COUNTER"),
+        "steps": ("dflash_steps_total", "Batched draft-verify steps", "COUNTER"),
+        "tokens": ("dflash_generated_tokens_total", "Tokens generated", "COUNTER"),
+        "active": ("dflash_active_sequences", "Sequences in the running batch", "GAUGE"),
+        "waiting": ("dflash_waiting_requests", "Requests admitted but waiting for a slot", "GAUGE"),
+        "free_slots": ("dflash_free_slots", "Free state-pool slots", "GAUGE"),
+        "verify_width": ("dflash_verify_width", "Tokens per row the last step verified (1 + drafts)", "GAUGE"),
+        "batch": ("dflash_batch_size", "Rows per batched step", "HISTOGRAM"),
+        "step_seconds": ("dflash_step_seconds", "Seconds per batched step (graph call)", "HISTOGRAM"),
+        "queue_seconds": ("dflash_queue_seconds", "Seconds from arrival to the first token", "HISTOGRAM"),
+    }
+    BUCKETS = {"batch": [1, 2, 4, 8, 16, 32, 64, 128], "step_seconds": STEP_BUCKETS, "queue_seconds": QUEUE_BUCKETS}
+
+    def __init__(self) -> None:
+        labels = {"model": "dflash"}
+        kinds = {"COUNTER": pb_utils.MetricFamily.COUNTER, "GAUGE": pb_utils.MetricFamily.GAUGE}
+        kinds["HISTOGRAM"] = pb_utils.MetricFamily.HISTOGRAM
+        # The families must outlive their metrics: keep both.
+        self.families = {
+            key: pb_utils.MetricFamily(name=name, description=text, kind=kinds[kind])
+            for key, (name, text, kind) in self.FAMILIES.items()
+        }
+        self.metrics = {
+            key: family.Metric(labels=labels, buckets=self.BUCKETS[key]) if key in self.BUCKETS else family.Metric(labels=labels)
+            for key, family in self.families.items()
+        }
+
+    def add(self, key: str, value: float) -> None:
+        self.metrics[key].increment(value)
+
+    def set(self, key: str, value: float) -> None:
+        self.metrics[key].set(value)
+
+    def observe(self, key: str, value: float) -> None:
+        self.metrics[key].observe(value)
 
 
 class TritonPythonModel:
@@ -33,19 +98,39 @@ class TritonPythonModel:
         self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"])
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.eos_ids = tuple(self.manifest["eos_token_ids"])
-        labels = {"model": "dflash"}
-        families = {
-            "draft": ("dflash_draft_tokens_total", "Draft tokens proposed"),
-            "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target"),
-            "steps": ("dflash_steps_total", "Draft-verify steps"),
-            "tokens": ("dflash_generated_tokens_total", "Tokens generated"),
-        }
-        # The families must outlive their metrics: keep both.
-        self.metric_families = {
-            key: pb_utils.MetricFamily(name=name, description=text, kind=pb_utils.MetricFamily.COUNTER)
-            for key, (name, text) in families.items()
-        }
-        self.counters = {key: family.Metric(labels=labels) for key, family in self.metric_families.items()}
+        policy = AdaptiveVerify(self.engine.block_size)
+        policy.calibrate(self.engine)
+        self.scheduler = Scheduler(self.engine, policy)
+        self.metrics = Metrics()
+        self.metrics.set("free_slots", self.engine.pool.free_slots)
+        self.inbox: queue.Queue[Client] = queue.Queue()
+        self.clients: dict[int, Client] = {}  # id(sequence) -> client
+        self.running = True
+        self.thread = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self.inbox.put(self._client(request, sender))
+            except RequestError as error:
+                self._fail(sender, str(error))
+            except Exception as error:  # a malformed request must not take the model down
+                self._internal_error(sender, error)
+        return None
+
+    def finalize(self) -> None:
+        self.running = False
+        self.thread.join(timeout=10)
+
+    # --- admission ---------------------------------------------------------------------------------------------
+
+    def _client(self, request: object, sender: object) -> Client:
+        prompt = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
+        max_tokens = int(_scalar(request, "max_tokens", 0))  # type: ignore[call-overload]
+        sequence = Sequence(prompt, max_tokens, self._sampling(request), self._stop(request))
+        return Client(request, sender, sequence, streaming=bool(_scalar(request, "stream", False)))
 
     def _sampling(self, request: object) -> SamplingParams:
         seed = _scalar(request, "seed", None)
@@ -67,7 +152,87 @@ class TritonPythonModel:
         eos = self.eos_ids if end_id is None else (int(end_id),)  # type: ignore[call-overload]
         return StopCriteria(eos_token_ids=eos, stop_strings=tuple(s for s in stop_strings if s), decode=self.tokenizer.decode)
 
-    def _response(self, new: list[int], prefix: list[int], stats: GenerationStats, produced: int) -> object:
+    # --- the serving thread ------------------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while self.running:
+            self._take_new(block=not self.scheduler.busy)
+            if not self.scheduler.busy:
+                continue
+            self._drop_cancelled()
+            try:
+                began = time.perf_counter()
+                emitted = self.scheduler.step()
+                self._record_step(time.perf_counter() - began)
+            except Exception as error:  # an engine failure fails the batch it hit, never the server
+                self._fail_all(error)
+                continue
+            for sequence, tokens in emitted:
+                self._deliver(self.clients[id(sequence)], tokens)
+
+    def _take_new(self, block: bool) -> None:
+        try:
+            client = self.inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                self.scheduler.submit(client.sequence)
+                self.clients[id(client.sequence)] = client
+            except RequestError as error:
+                self._fail(client.sender, str(error))
+            try:
+                client = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for client in list(self.clients.values()):
+            if client.request.is_cancelled():  # type: ignore[attr-defined]
+                self.scheduler.cancel(client.sequence)
+                self._finish(client)
+                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+                client.sender.send(pb_utils.InferenceResponse(error=error), flags=final)  # type: ignore[attr-defined]
+
+    def _deliver(self, client: Client, new: list[int]) -> None:
+        """Send what is ready: each step's tokens when streaming, everything at the end otherwise."""
+        sequence = client.sequence
+        if len(sequence.tokens) == len(new) and new:
+            self.metrics.observe("queue_seconds", time.perf_counter() - client.arrived)
+        tokens = sequence.tokens
+        if sequence.finished:
+            self._finish(client)
+            start = client.sent if client.streaming else 0
+            response = self._response(tokens[start:], self._prefix(client, start), sequence)
+            client.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
+        elif client.streaming and new and not self.tokenizer.decode(tokens[client.sent :]).endswith("\ufffd"):
+            response = self._response(tokens[client.sent :], self._prefix(client, client.sent), sequence)
+            client.sender.send(response)  # type: ignore[attr-defined]
+            client.sent = len(tokens)
+
+    def _prefix(self, client: Client, start: int) -> list[int]:
+        return client.sequence.tokens[max(0, start - PREFIX_CONTEXT) : start]
+
+    def _finish(self, client: Client) -> None:
+        self.clients.pop(id(client.sequence), None)
+        stats = client.sequence.stats
+        self.metrics.add("draft", stats.draft_tokens)
+        self.metrics.add("accepted", stats.accepted_draft_tokens)
+        self.metrics.add("tokens", len(client.sequence.tokens))
+
+    def _record_step(self, seconds: float) -> None:
+        self.metrics.set("active", len(self.scheduler.active))
+        self.metrics.set("waiting", len(self.scheduler.waiting) + self.inbox.qsize())
+        self.metrics.set("free_slots", self.engine.pool.free_slots)
+        if self.scheduler.last_batch:
+            self.metrics.add("steps", 1)
+            self.metrics.set("verify_width", self.scheduler.last_width)
+            self.metrics.observe("batch", self.scheduler.last_batch)
+            self.metrics.observe("step_seconds", seconds)
+
+    def _response(self, new: list[int], prefix: list[int], sequence: Sequence) -> object:
+        stats = sequence.stats
         tensors = [
             pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int64)),
             pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int64)),
@@ -75,47 +240,23 @@ class TritonPythonModel:
             pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([stats.accepted_draft_tokens], dtype=np.int64)),
             pb_utils.Tensor("acceptance_rate", np.asarray([stats.acceptance_rate], dtype=np.float32)),
             pb_utils.Tensor("total_steps", np.asarray([stats.steps], dtype=np.int64)),
-            pb_utils.Tensor("total_output_tokens", np.asarray([produced], dtype=np.int64)),
+            pb_utils.Tensor("total_output_tokens", np.asarray([len(sequence.tokens)], dtype=np.int64)),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
-    def _serve(self, request: object) -> None:
-        sender = request.get_response_sender()  # type: ignore[attr-defined]
-        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        try:
-            prompt = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
-            max_tokens = int(_scalar(request, "max_tokens", 0))  # type: ignore[call-overload]
-            streaming = bool(_scalar(request, "stream", False))
-            stats = GenerationStats(self.engine.block_size)
-            pieces = stream_dflash(self.engine, prompt, max_tokens, self._sampling(request), self._stop(request), stats)
-            tokens: list[int] = []
-            sent = 0
-            for piece in pieces:
-                tokens.extend(piece)
-                if request.is_cancelled():  # type: ignore[attr-defined]
-                    break
-                if streaming and not self.tokenizer.decode(tokens[sent:]).endswith("\ufffd"):
-                    sender.send(self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats, len(tokens)))
-                    sent = len(tokens)
-            self._count(stats, len(tokens))
-            if streaming:
-                sender.send(
-                    self._response(tokens[sent:], tokens[max(0, sent - PREFIX_CONTEXT) : sent], stats, len(tokens)), flags=final
-                )
-            else:
-                sender.send(self._response(tokens, [], stats, len(tokens)), flags=final)
-        except RequestError as error:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error))), flags=final)
-        except Exception as error:  # never crash the server or lose the request: report it to this client
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"dflash: internal error: {error!r}")), flags=final)
+    # --- errors ------------------------------------------------------------------------------------------------
 
-    def _count(self, stats: GenerationStats, tokens: int) -> None:
-        self.counters["draft"].increment(stats.draft_tokens)
-        self.counters["accepted"].increment(stats.accepted_draft_tokens)
-        self.counters["steps"].increment(stats.steps)
-        self.counters["tokens"].increment(tokens)
+    def _fail(self, sender: object, message: str) -> None:
+        error = pb_utils.TritonError(message)
+        sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
 
-    def execute(self, requests: list) -> None:
-        for request in requests:
-            self._serve(request)
-        return None
+    def _internal_error(self, sender: object, error: Exception) -> None:
+        pb_utils.Logger.log_error(f"dflash: internal error: {error!r}\n{traceback.format_exc()}")
+        self._fail(sender, f"dflash: internal error: {error!r} (logged on the server)")
+
+    def _fail_all(self, error: Exception) -> None:
+        """The step failed: every sequence in it gets the error and leaves; the scheduler starts clean."""
+        for client in list(self.clients.values()):
+            self.scheduler.cancel(client.sequence)
+            self._finish(client)
+            self._internal_error(client.sender, error)

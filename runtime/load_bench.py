@@ -1,0 +1,138 @@
+"""Throughput under load, in process: C closed-loop clients on one engine's scheduler (each sends its next prompt
+as soon as its previous answer is complete), measured for three ways of serving them on the same engine:
+
+- `dflash`: in-flight batching, verify length chosen by load (AdaptiveVerify);
+- `one-at-a-time`: the same DFlash, one request in the engine at a time (what the server did before batching);
+- `plain`: in-flight batching of plain decoding (the decode graph, no drafts).
+
+Reports aggregate generated tok/s, p50/p99 time to first token and inter-token latency (gap between a client's
+successive tokens, a step's tokens spread evenly over the step), and the share of each step spent on the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.loop import Sequence
+from dflash_trt.runtime.scheduler import AdaptiveVerify, PlainDecoding, Scheduler, VerifyPolicy
+
+MODES = ("dflash", "one-at-a-time", "plain")
+
+
+@dataclass
+class LoadResult:
+    mode: str
+    concurrency: int
+    requests: int
+    tokens: int
+    seconds: float
+    ttfts: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)  # scheduler.step() wall time, prefills excluded
+    graph_seconds: list[float] = field(default_factory=list)  # of which the batched graph call
+    widths: list[int] = field(default_factory=list)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # request number -> tokens
+
+    def summary(self) -> dict[str, Any]:
+        host = [s - g for s, g in zip(self.step_seconds, self.graph_seconds, strict=True)]
+        return {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "tok_s": self.tokens / self.seconds,
+            "ttft_ms_p50": _percentile(self.ttfts, 50) * 1e3,
+            "ttft_ms_p99": _percentile(self.ttfts, 99) * 1e3,
+            "itl_ms_p50": _percentile(self.inter_token, 50) * 1e3,
+            "itl_ms_p99": _percentile(self.inter_token, 99) * 1e3,
+            "host_share_of_step": sum(host) / max(sum(self.step_seconds), 1e-9),
+            "mean_verify_width": float(np.mean(self.widths)) if self.widths else 0.0,
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def policy_for(mode: str, engine: GraphEngine) -> tuple[VerifyPolicy, int | None]:
+    """(verify policy, max active sequences) of a mode."""
+    if mode == "plain":
+        return PlainDecoding(), None
+    policy = AdaptiveVerify(engine.block_size)
+    policy.calibrate(engine)
+    return policy, (1 if mode == "one-at-a-time" else None)
+
+
+def run_load(
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str
+) -> LoadResult:
+    """`requests` requests over `concurrency` closed-loop clients (prompts taken in turn), all greedy."""
+    result = LoadResult(mode, concurrency, requests, 0, 0.0)
+    policy, max_active = policy_for(mode, engine)
+    scheduler = Scheduler(engine, policy, max_active)
+    pending = deque(range(requests))
+    started: dict[int, tuple[int, float]] = {}  # id(sequence) -> (request number, submit time)
+    last_token: dict[int, float] = {}
+
+    def submit() -> None:
+        number = pending.popleft()
+        sequence = Sequence(prompts[number % len(prompts)], max_tokens)
+        scheduler.submit(sequence)
+        started[id(sequence)] = (number, time.perf_counter())
+
+    began = time.perf_counter()
+    for _ in range(min(concurrency, requests)):
+        submit()
+    while scheduler.busy:
+        step_began = time.perf_counter()
+        emitted = scheduler.step()
+        now = time.perf_counter()
+        if scheduler.last_batch:
+            result.step_seconds.append(now - step_began - scheduler.last_prefill_seconds)
+            result.graph_seconds.append(scheduler.last_graph_seconds)
+            result.widths.append(scheduler.last_width)
+        for sequence, tokens in emitted:
+            key = id(sequence)
+            if not tokens:
+                continue
+            if key not in last_token:
+                result.ttfts.append(now - started[key][1])
+            else:
+                result.inter_token.extend([(now - last_token[key]) / len(tokens)] * len(tokens))
+            last_token[key] = now
+            result.tokens += len(tokens)
+            if sequence.finished:
+                result.outputs[started[key][0]] = sequence.tokens
+                if pending:
+                    submit()
+    result.seconds = time.perf_counter() - began
+    return result
+
+
+def load_table(engine: GraphEngine, prompts: list[list[int]], max_tokens: int, levels: list[int]) -> list[dict[str, Any]]:
+    """Every mode at every concurrency level (2 x C requests each, at least as many as prompts), in one process;
+    each row also says whether its outputs equal plain decoding's and its tok/s over the other two modes'."""
+    rows = []
+    for concurrency in levels:
+        if concurrency > engine.pool.slots:
+            raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.pool.slots} slots: load it with more")
+        requests = max(2 * concurrency, len(prompts))
+        results = {mode: run_load(engine, prompts, max_tokens, concurrency, requests, mode) for mode in MODES}
+        plain = results["plain"]
+        for mode, result in results.items():
+            row = result.summary()
+            row["identical_to_plain"] = result.outputs == plain.outputs
+            row["over_plain"] = row["tok_s"] / plain.summary()["tok_s"]
+            row["over_one_at_a_time"] = row["tok_s"] / results["one-at-a-time"].summary()["tok_s"]
+            rows.append(row)
+            print(
+                f"[dflash-bench] concurrency {concurrency:>3} {mode:<13} {row['tok_s']:8.1f} tok/s "
+                f"TTFT p50/p99 {row['ttft_ms_p50']:.0f}/{row['ttft_ms_p99']:.0f} ms "
+                f"ITL p50/p99 {row['itl_ms_p50']:.1f}/{row['itl_ms_p99']:.1f} ms "
+                f"width {row['mean_verify_width']:.1f} host {row['host_share_of_step']:.1%}",
+                flush=True,
+            )
+    return rows

@@ -1,0 +1,132 @@
+"""In-flight batching: sequences in pool slots, joining and leaving a running batch, each exactly as if served alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dflash_trt.builder.graphs import torch_engine
+from dflash_trt.builder.networks import load_pair
+from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.loop import Sequence, generate, generate_plain
+from dflash_trt.runtime.sampling import RequestError, SamplingParams
+from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, Scheduler, StepCosts
+
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_targets: dict[str, Path], trained_drafter: Path) -> GraphEngine:
+    return torch_engine(*load_pair(tiny_targets["qwen3"], trained_drafter), max_seq_len=256, max_batch=SLOTS)
+
+
+def _requests(count: int, seed: int) -> list[Sequence]:
+    """Mixed prompt lengths and max_tokens; every third request sampled with its own seed."""
+    generator = torch.Generator().manual_seed(seed)
+    requests = []
+    for index in range(count):
+        length = int(torch.randint(2, 30, (1,), generator=generator))
+        prompt = torch.randint(1, 90, (length,), generator=generator).tolist()
+        sampling = SamplingParams(0.9, top_k=20, seed=100 + index) if index % 3 == 2 else SamplingParams()
+        requests.append(Sequence(prompt, int(torch.randint(5, 48, (1,), generator=generator)), sampling))
+    return requests
+
+
+def _run_all(scheduler: Scheduler, sequences: list[Sequence]) -> dict[int, list[int]]:
+    streamed: dict[int, list[int]] = {id(s): [] for s in sequences}
+    for sequence in sequences:
+        scheduler.submit(sequence)
+    while scheduler.busy:
+        for sequence, tokens in scheduler.step():
+            streamed[id(sequence)].extend(tokens)
+    return streamed
+
+
+def test_batched_outputs_equal_each_request_served_alone(engine: GraphEngine) -> None:
+    requests = _requests(10, seed=0)  # 10 requests, 4 slots: six join a running batch as others leave
+    alone = [generate(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    scheduler = Scheduler(engine)
+    batch_sizes = []
+    streamed: dict[int, list[int]] = {id(r): [] for r in requests}
+    for request in requests:
+        scheduler.submit(request)
+    while scheduler.busy:
+        for sequence, tokens in scheduler.step():
+            streamed[id(sequence)].extend(tokens)
+        batch_sizes.append(scheduler.last_batch)
+    for request, expected in zip(requests, alone, strict=True):
+        assert request.tokens == expected, f"prompt {request.prompt}: batched output differs from the same request alone"
+        assert streamed[id(request)] == expected, "what was streamed is what was generated"
+    assert max(batch_sizes) == SLOTS and engine.pool.free_slots == SLOTS
+    assert any(r.stats.accepted_draft_tokens > 0 for r in requests), "drafts were accepted in the batch"
+
+
+@pytest.mark.parametrize("drafts", [0, 1, 3, 7, 15])
+def test_any_verify_length_keeps_outputs_exact(engine: GraphEngine, drafts: int) -> None:
+    requests = _requests(6, seed=1)
+    alone = [generate_plain(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    _run_all(Scheduler(engine, FixedVerify(drafts)), requests)
+    assert [r.tokens for r in requests] == alone
+    assert all(r.stats.draft_tokens == drafts * r.stats.steps for r in requests), "each step verified `drafts` drafts"
+
+
+def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: GraphEngine) -> None:
+    """With drafting made costly and acceptance poor, the policy picks k = 0 (verify graph, no drafting); outputs stay exact."""
+    policy = AdaptiveVerify(engine.block_size, StepCosts(), explore_budget=1e9)
+    for tokens in (1, 2, 4, 8, 16, 64):
+        policy.costs.record("verify", tokens, 0.01 + 0.0005 * tokens)  # a verify of 16 costs under twice one of 1
+    policy.costs.record("draft15", 1, 1.0)
+    assert policy.choose(1) == 0
+    policy.costs.seconds["draft15"] = {1: 0.001}
+    policy.accepted[1:] = policy.verified[1:]  # every draft accepted so far: verifying all pays
+    assert policy.choose(1) == engine.block_size - 1
+    policy.accepted[3:] = 0.0  # nothing past the second draft is ever accepted: verify two
+    assert policy.choose(1) == 2
+    requests = _requests(4, seed=2)
+    alone = [generate_plain(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    live = AdaptiveVerify(engine.block_size)
+    live.calibrate(engine)
+    _run_all(Scheduler(engine, live), requests)
+    assert [r.tokens for r in requests] == alone
+
+
+def test_seeded_sampling_equals_plain_sampling_with_the_same_seed(engine: GraphEngine) -> None:
+    """The uniform of generated token n is the seed's n-th draw, so DFlash draws what plain decoding draws."""
+    sampling = SamplingParams(1.0, seed=7)
+    prompt = [5, 35, 89, 4, 4]
+    assert generate(engine, prompt, 40, sampling).tokens == generate_plain(engine, prompt, 40, sampling).tokens
+
+
+def test_cancel_frees_the_slot_for_the_next_request(engine: GraphEngine) -> None:
+    scheduler = Scheduler(engine)
+    running = [Sequence([3, 4, 5], 200) for _ in range(SLOTS)]
+    waiting = Sequence([9, 8, 7], 10)
+    for sequence in [*running, waiting]:
+        scheduler.submit(sequence)
+    scheduler.step()
+    assert engine.pool.free_slots == 0 and waiting in scheduler.waiting
+    scheduler.cancel(running[1])
+    assert engine.pool.free_slots == 1 and running[1].stats.finish_reason == "cancelled"
+    scheduler.step()
+    assert waiting in scheduler.active, "the freed slot went to the waiting request"
+    for sequence in running:
+        scheduler.cancel(sequence)
+    while scheduler.busy:
+        scheduler.step()
+    assert waiting.tokens == generate(engine, waiting.prompt, 10).tokens
+    assert engine.pool.free_slots == SLOTS
+
+
+def test_a_bad_request_is_refused_and_the_batch_goes_on(engine: GraphEngine) -> None:
+    scheduler = Scheduler(engine)
+    good = Sequence([3, 4, 5], 20)
+    scheduler.submit(good)
+    scheduler.step()
+    with pytest.raises(RequestError, match="top_p=0.0 is outside"):
+        scheduler.submit(Sequence([3, 4], 5, SamplingParams(1.0, top_p=0.0)))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        scheduler.submit(Sequence([3, 400], 5))
+    while scheduler.busy:
+        scheduler.step()
+    assert good.tokens == generate(engine, good.prompt, 20).tokens

@@ -100,7 +100,7 @@ def build(args: argparse.Namespace) -> Path:
         copy_tokenizer(target_dir, repo)
         engine_dir = repo / "dflash" / "1" / ENGINE_DIR
         engine_dir.mkdir(parents=True)
-        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size).eval(), spec, engine_dir)
+        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size, spec.positions).eval(), spec, engine_dir)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)

@@ -19,7 +19,7 @@ from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.plugins import block_denoise, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
 from dflash_trt.runtime.engine import EngineSpec
-from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, owner
 from torch.export import Dim
 
 WEIGHTS_FILE = "weights.bin"
@@ -28,19 +28,21 @@ ALIGNMENT = 4096
 
 
 # Example sizes for tracing: all different from each other (and from 0 and 1), so that no two axes get unified.
-EXAMPLE_SIZES = {"batch": 3, "verify": 5, "sampled": 2, "candidates": 4, "rows": 9, "slots": 6, "prompt": 7, "positions": 24}
+EXAMPLE_SIZES = {"batch": 3, "verify": 5, "sampled": 2, "candidates": 4, "rows": 9, "prompt": 7}
+EXAMPLE_SLOTS = 2  # pool slots of the example states (their positions axis is the engine's own)
 AXIS_RANGES = {"batch": (1, 1024), "verify": (1, 64), "sampled": (0, 1024), "candidates": (1, None), "rows": (1, None),
-               "slots": (1, None), "prompt": (1, None), "positions": (2, None)}  # fmt: skip
+               "prompt": (1, None)}  # fmt: skip
 
 
 def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
     """Example inputs for one graph, built from its schema, and their dynamic axes."""
-    ranges = {**AXIS_RANGES, "drafts": (1, spec.block_size - 1)}
+    pools = {f"{owner(s)}_pool_rows": (2, None) for s in spec.states}  # one size per owner's layer count
+    ranges = {**AXIS_RANGES, **pools, "drafts": (1, spec.block_size - 1)}
     sizes = {**EXAMPLE_SIZES, "drafts": max(2, spec.block_size - 2)}
     dims = {axis: Dim(axis, min=low, max=high) if high else Dim(axis, min=low) for axis, (low, high) in ranges.items()}
     values = {
         "start": torch.tensor([7, 9, 4]),
-        "slots": torch.tensor([5, 0, 2]),
+        "slots": torch.tensor([1, 0, 1]),
         "sampled_rows": torch.tensor([2, 0]),
         "temperature": torch.tensor([0.7, 0.0, 1.0]),
         "top_k": torch.tensor([0, 3, 0]),
@@ -50,10 +52,9 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
     for tensor in graph_inputs(name, spec.states):
         if tensor.dtype == "state":
             state = next(s for s in spec.states if s.name == tensor.name)
-            inputs.append(
-                torch.zeros((state.layers, sizes["slots"], sizes["positions"], *state.shape[1:]), dtype=spec.torch_dtype)
-            )
-            axes.append({1: dims["slots"], 2: dims["positions"]})
+            pool = (state.layers * EXAMPLE_SLOTS * state.shape[0], *state.shape[1:])  # flat: the engine binds a view
+            inputs.append(torch.zeros(pool, dtype=spec.torch_dtype))
+            axes.append({0: dims[tensor.axes[0]]})
             continue
         shape = tuple(int(a) if a.isdigit() else sizes[a] for a in tensor.axes)
         if tensor.name in values:

@@ -42,9 +42,10 @@ def engine_spec(
 class DFlashGraphs(nn.Module):
     """Target + drafter; the graph bodies are methods, wrapped as modules for export below."""
 
-    def __init__(self, target: TargetNetwork, drafter: DrafterNetwork, block_size: int) -> None:
+    def __init__(self, target: TargetNetwork, drafter: DrafterNetwork, block_size: int, positions: int) -> None:
         super().__init__()
         self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.positions = positions  # T: rows per sequence of the positional states (max_seq_len + block_size)
         self.mask_token_id = drafter.config.mask_token_id
 
     def draft_block(
@@ -110,7 +111,7 @@ class DFlashGraphs(nn.Module):
             block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
         )
         # The drafter sees its context rows up to next_start: the pool's rows < start, then this block's accepted ones.
-        past = PooledPast(draft_k, draft_v, slots, visible_rows.shape[0]).stacked()  # [Ld, B, R, Hkv, D]
+        past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked()  # [Ld, B, R, Hkv, D]
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
         ctx_k = write_rows(past.k, ctx_rows[0], positions)  # [Ld, B, R + V, Hkv, D]
         ctx_v = write_rows(past.v, ctx_rows[1], positions)
@@ -158,7 +159,7 @@ class DFlashGraphs(nn.Module):
     ) -> Outputs:
         """Plain decoding (block [B, 1] in practice): the target alone, no taps."""
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
-        out = self.target(block, positions, PooledPast(target_k, target_v, slots, visible_rows.shape[0]))
+        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows))
         tokens = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)
         accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
         bonus = tokens.gather(1, accept_len[:, None])  # [B, 1]
@@ -177,12 +178,19 @@ class DFlashGraphs(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
         """Verify, sample every slot, accept, tap: (tokens [B, V], accept_len [B], next_start [B], target rows, ctx rows)."""
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
-        out = self.target(block, positions, PooledPast(target_k, target_v, slots, visible_rows.shape[0]))
+        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows))
         tokens = sample_tokens(out.logits, uniforms, *sampling)  # [B, V]
         accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
         # Tap every slot; rows past the accepted ones are invisible (>= next_start) and get overwritten later.
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, V, Hkv, D]
         return tokens, accept_len, start + accept_len + 1, (out.k, out.v), (ctx_k, ctx_v)
+
+    def _pooled(
+        self, owner: str, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, visible_rows: torch.Tensor
+    ) -> PooledPast:
+        """The pool of the target's or the drafter's K/V (flat [L * N * T, Hkv, D]) read for these slots."""
+        layers = self.target.config.num_layers if owner == "target" else self.drafter.config.num_layers
+        return PooledPast(k_pool, v_pool, layers, self.positions, slots, visible_rows.shape[0])
 
     def _no_past(self, batch: int, device: torch.device) -> StackedPast:
         c = self.target.config
@@ -221,7 +229,7 @@ assert tuple(GRAPH_MODULES) == GRAPH_NAMES
 
 def graph_module(graphs: DFlashGraphs, name: str) -> DFlashGraphs:
     """The same target and drafter behind one graph's forward, for export."""
-    return GRAPH_MODULES[name](graphs.target, graphs.drafter, graphs.block_size).eval()
+    return GRAPH_MODULES[name](graphs.target, graphs.drafter, graphs.block_size, graphs.positions).eval()
 
 
 def torch_engine(
@@ -240,4 +248,4 @@ def torch_engine(
         )
     size = block_size or drafter.config.block_size
     spec = engine_spec(target, drafter, size, max_seq_len, max_batch)
-    return GraphEngine(TorchRunner(DFlashGraphs(target, drafter, size), spec), spec)
+    return GraphEngine(TorchRunner(DFlashGraphs(target, drafter, size, spec.positions), spec), spec)

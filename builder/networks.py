@@ -59,27 +59,34 @@ class StackedPast:
 
 @dataclass
 class PooledPast:
-    """Past K/V read straight from an engine's state pool [L, N slots, T, Hkv, D]: the first `rows` positions of
-    each sequence's slot, one Gather per layer (nothing else is copied)."""
+    """Past K/V read straight from an engine's state pool, which graphs take flat: [L * N * T, Hkv, D] (layer-major,
+    then slot, then position; the engine binds a view of its [L, N, T, Hkv, D] tensor, so nothing is reshaped or
+    copied). Reads the first `rows` positions of each sequence's slot: one Gather per layer."""
 
-    k_pool: torch.Tensor
+    k_pool: torch.Tensor  # [L * N * T, Hkv, D]
     v_pool: torch.Tensor
+    layers: int  # L
+    positions: int  # T, fixed when the engine is built
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
 
     def row_index(self, layers: torch.Tensor) -> torch.Tensor:
-        """layers: [L'] -> flat row numbers [L', B, R] into the pool seen as [L*N*T, Hkv, D]."""
-        slots_per_layer, positions = self.k_pool.shape[1], self.k_pool.shape[2]
-        sequence = layers[:, None] * slots_per_layer + self.slots[None, :]  # [L', B]
-        return sequence[:, :, None] * positions + torch.arange(self.rows, device=self.slots.device)  # [L', B, R]
+        """layers: [L'] -> flat row numbers [L', B, R]."""
+        rows_per_layer = self.k_pool.shape[0] // self.layers  # N * T
+        first = layers[:, None] * rows_per_layer + self.slots[None, :] * self.positions  # [L', B]
+        return first[:, :, None] + torch.arange(self.rows, device=self.slots.device)  # [L', B, R]
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]."""
+        flat = rows.reshape(-1)
+        k = self.k_pool.index_select(0, flat).unflatten(0, rows.shape)
+        return k, self.v_pool.index_select(0, flat).unflatten(0, rows.shape)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.row_index(torch.tensor([index], device=self.slots.device))[0]  # [B, R]
-        return self.k_pool.flatten(0, 2)[rows], self.v_pool.flatten(0, 2)[rows]
+        return self.gather(self.row_index(torch.tensor([index], device=self.slots.device))[0])  # [B, R, Hkv, D]
 
     def stacked(self) -> StackedPast:
-        rows = self.row_index(torch.arange(self.k_pool.shape[0], device=self.slots.device))  # [L, B, R]
-        return StackedPast(self.k_pool.flatten(0, 2)[rows], self.v_pool.flatten(0, 2)[rows])
+        return StackedPast(*self.gather(self.row_index(torch.arange(self.layers, device=self.slots.device))))
 
 
 @dataclass

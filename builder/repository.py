@@ -21,7 +21,7 @@ from string import Template
 from dflash_trt.builder.checkpoints import CheckpointError
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
-MODELS = ("ensemble", "preprocessing", "dflash", "postprocessing")
+MODELS = ("ensemble", "preprocessing", "dflash")
 MANIFEST = "dflash-manifest.json"  # top level of the repository (Triton ignores plain files there)
 ENGINE_DIR = "engine"  # inside dflash/1/
 TOKENIZER_DIR = "preprocessing/1/tokenizer"

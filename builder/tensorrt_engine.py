@@ -74,18 +74,25 @@ def axis_bounds(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
         "drafts": (1, spec.block_size - 1, spec.block_size - 1),
         "rows": (1, min(512, spec.positions), spec.positions),
         "candidates": (1, 1, min(spec.vocab_size, TOPK_LIMIT)),
-        "slots": (spec.max_batch_size,) * 3,  # the pool is allocated once for --max-batch-size
-        "positions": (spec.positions,) * 3,
+        "pool_rows": (spec.max_batch_size * spec.positions,) * 3,  # x layers below: the pool, allocated once
     }
 
 
 def input_dims(name: str, spec: EngineSpec) -> dict[str, list[tuple[int, int, int]]]:
     """(min, opt, max) of every axis of every input of one graph, from the graph schema."""
     bounds = axis_bounds(spec)
+    layers = {s.name: s.layers for s in spec.states}
     dims = {}
     for tensor in graph_inputs(name, spec.states):
-        dims[tensor.name] = [bounds[a] if a in bounds else (int(a),) * 3 for a in tensor.axes]
+        dims[tensor.name] = [_axis_dims(axis, bounds, layers.get(tensor.name, 1)) for axis in tensor.axes]
     return dims
+
+
+def _axis_dims(axis: str, bounds: dict[str, tuple[int, int, int]], layers: int) -> tuple[int, int, int]:
+    if axis.endswith("pool_rows"):  # a flat state pool: layers x slots x positions rows
+        low, opt, high = bounds["pool_rows"]
+        return layers * low, layers * opt, layers * high
+    return bounds[axis] if axis in bounds else (int(axis),) * 3
 
 
 def _progress_monitor(log_prefix: str) -> trt.IProgressMonitor:

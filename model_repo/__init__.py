@@ -1,1 +1,1 @@
-"""Triton model repository templates (ensemble, preprocessing, dflash, postprocessing)."""
+"""Triton model repository templates (ensemble, preprocessing, dflash)."""

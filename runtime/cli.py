@@ -14,6 +14,7 @@ from dflash_trt.builder.embedded import EMBEDDED_TARGET
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import load_pair
+from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
 from dflash_trt.runtime.prompts import encode_prompt
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
@@ -67,13 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         stop = StopCriteria(eos_token_ids=target.config.eos_token_ids)
         stats = GenerationStats(engine.block_size)
         tokens: list[int] = []
-        shown = ""
+        text = TextStream(tokenizer)
         for piece in stream_dflash(engine, ids, args.max_tokens, sampling, stop, stats):
             tokens.extend(piece)
-            text = str(tokenizer.decode(tokens, skip_special_tokens=True))
-            if not text.endswith("\ufffd"):  # never print half a multi-byte character
-                print(text[len(shown) :], end="", flush=True)
-                shown = text
+            print(text.push(piece), end="", flush=True)
     except (CheckpointError, RequestError, ValueError) as error:
         print(f"dflash-generate: error: {error}", file=sys.stderr)
         return 2

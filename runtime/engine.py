@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from dflash_trt.runtime.graph_io import graph_inputs, graph_outputs
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.states import DTYPES, StatePool, StateSpec
 
@@ -112,6 +112,8 @@ class GraphEngine:
         self.block_size, self.max_seq_len, self.vocab_size = spec.block_size, spec.max_seq_len, spec.vocab_size
         self.pool = StatePool(spec.states, max_batch or spec.max_batch_size)
         self._carriers: dict[int, torch.Tensor] = {}
+        self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *s.shape[1:]) for s in spec.states}  # graph form
+        self._input_names = {graph: {t.name for t in graph_inputs(graph, spec.states)} for graph in GRAPH_NAMES}
 
     def prefill(self, slot: int, prompt: list[int], uniform: float, sampling: SamplingParams) -> StepResult:
         """One prompt into pool slot `slot` -> its first token (target_tokens[:, 0]) and first draft block."""
@@ -137,10 +139,9 @@ class GraphEngine:
             "visible_rows": visible,
             "uniforms": batch.uniforms,
             **batch.sampling.as_inputs(),
-            **self.pool.tensors,
+            **self._flat_states,
         }
-        needed = {t.name for t in graph_inputs(graph, self.spec.states)}
-        out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in needed})
+        out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in self._input_names[graph]})
         positions = batch.start[:, None] + torch.arange(batch.block.shape[1])  # [B, V]
         self._write_rows(out, batch.slots, positions)
         return StepResult(out["target_tokens"], out["accept_len"], out["next_block"], out["next_start"])

@@ -8,7 +8,9 @@ verify   the same without drafting (the next "block" is the bonus token alone): 
 decode   plain decoding: verify without taps, target states only (the baseline on the same engine)
 
 Step-like graphs read states from the engine's pool by `slots` [batch] and position: rows < start of each
-sequence are visible, and only the first R = len(visible_rows) positions are read. They return the rows they
+sequence are visible, and only the first R = len(visible_rows) positions are read. A positional state enters
+flat, [layers * slots * positions, *row_shape] (a view of the pool: no reshape inside the graph, which would copy
+the whole pool on some runtimes). They return the rows they
 computed (positions start..start+V-1) as `{state}_rows`, which the engine writes into the pool in place.
 """
 
@@ -67,9 +69,7 @@ def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec,
     fixed = PREFILL_INPUTS if graph == "prefill" else STEP_INPUTS
     drafting = DRAFT_INPUTS if graph == "step" else ()
     read = tuple(
-        TensorSpec(s.name, "state", (str(s.layers), "slots", str(s.shape[0]), *map(str, s.shape[1:])))
-        for s in states
-        if owner(s) in READS[graph]
+        TensorSpec(s.name, "state", (f"{owner(s)}_pool_rows", *map(str, s.shape[1:]))) for s in states if owner(s) in READS[graph]
     )
     return (*fixed, *drafting, *SAMPLING, *read)
 

@@ -113,13 +113,13 @@ def run_load(
 
 
 def load_table(engine: GraphEngine, prompts: list[list[int]], max_tokens: int, levels: list[int]) -> list[dict[str, Any]]:
-    """Every mode at every concurrency level (2 x C requests each, at least as many as prompts), in one process;
+    """Every mode at every concurrency level (max(C, prompts) requests each), in one process;
     each row also says whether its outputs equal plain decoding's and its tok/s over the other two modes'."""
     rows = []
     for concurrency in levels:
         if concurrency > engine.pool.slots:
             raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.pool.slots} slots: load it with more")
-        requests = max(2 * concurrency, len(prompts))
+        requests = max(concurrency, len(prompts))
         results = {mode: run_load(engine, prompts, max_tokens, concurrency, requests, mode) for mode in MODES}
         plain = results["plain"]
         for mode, result in results.items():

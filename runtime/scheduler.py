@@ -120,8 +120,8 @@ class AdaptiveVerify:
     exploring: int = 0  # steps left of the current exploration
 
     def __post_init__(self) -> None:
-        self.verified = np.ones(self.block_size)  # a weak prior: half of each position accepted
-        self.accepted = np.full(self.block_size, 0.5)
+        self.verified = np.ones(self.block_size)  # a weak prior: a third of each position accepted
+        self.accepted = np.full(self.block_size, 1 / 3)
 
     def acceptance(self) -> np.ndarray:
         """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1)."""
@@ -130,7 +130,10 @@ class AdaptiveVerify:
         return np.minimum.accumulate(np.clip(rates, 0.0, 1.0))
 
     def step_cost(self, batch: int, drafts: int) -> float | None:
-        """Seconds of a step verifying `drafts` per row and drafting as many for the next one."""
+        """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on live
+        steps of that kind (`run{k}`, by batch), else from its parts (verify by tokens + drafting by batch)."""
+        if f"run{drafts}" in self.costs.seconds:
+            return self.costs.estimate(f"run{drafts}", batch)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
             return verify
@@ -163,6 +166,8 @@ class AdaptiveVerify:
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         self.since_look += seconds
+        if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is
+            self.costs.record(f"run{drafted}", batch, seconds)
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
         elif graph == "step":  # what it cost beyond verifying is the drafter's
@@ -175,28 +180,34 @@ class AdaptiveVerify:
             self.verified[1:width] += 1
             self.accepted[1 : accept_len + 1] += 1
 
-    def calibrate(self, engine: GraphEngine, max_tokens: int = 256) -> None:
+    def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
         """Time the verify graph at 1 and B tokens per row and drafting at batch 1, 2, 4 ... (on free slots,
-        throw-away rows) so that the first choices are informed; live steps keep refining the averages."""
+        throw-away rows at `context` positions, at most half the engine's length) so that the first choices are
+        informed; live steps then measure the steps they run."""
         batch = 1
         drafts = engine.block_size - 1
+        start = min(context, engine.max_seq_len // 2)
         while batch <= engine.pool.free_slots and batch <= max_tokens:
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
-                    self.costs.record("verify", batch * width, _time_call(engine, "verify", batch, width, drafts))
+                    seconds = _time_call(engine, "verify", batch, width, drafts, start)
+                    self.costs.record("verify", batch * width, seconds)
+                    if width == 1:
+                        self.costs.record("run0", batch, seconds)
             if batch * engine.block_size <= max_tokens:
-                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1, drafts), [], drafts)
+                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1, drafts, start), [], drafts)
             batch *= 2
 
 
-def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, repeats: int = 2) -> float:
-    """Seconds of one call on throw-away rows of the first free slots (their rows are stale: nothing is kept)."""
+def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 2) -> float:
+    """Seconds of one call on throw-away rows of the first free slots at positions `start`.. (stale rows: nothing is
+    kept, and attention over them costs what it costs over real ones)."""
     held = [engine.pool.acquire() for _ in range(batch)]
     try:
         call = StepBatch(
             slots=torch.tensor(held),
             block=torch.zeros(batch, width, dtype=torch.long),
-            start=torch.zeros(batch, dtype=torch.long),
+            start=torch.full((batch,), start, dtype=torch.long),
             uniforms=torch.zeros(batch, width),
             sampling=SamplingTensors.of([GREEDY] * batch, engine.vocab_size),
             drafts=drafts,
@@ -266,12 +277,8 @@ class Scheduler:
             out = self.engine.prefill(sequence.slot, sequence.prompt, float(sequence.uniforms[0]), sequence.sampling)
             self.last_prefill_seconds += time.perf_counter() - sequence.began
             self.active.append(sequence)
-            emitted.append(
-                (
-                    sequence,
-                    sequence.commit(out.target_tokens[0].tolist(), 0, 0, out.next_block[0].numpy(), int(out.next_start[0])),
-                )
-            )
+            block, start = out.next_block[0].numpy(), int(out.next_start[0])
+            emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
         return emitted
 
     def _batched_step(self) -> list[tuple[Sequence, list[int]]]:

@@ -33,28 +33,23 @@ def _requests(count: int, seed: int) -> list[Sequence]:
     return requests
 
 
-def _run_all(scheduler: Scheduler, sequences: list[Sequence]) -> dict[int, list[int]]:
+def _run_all(scheduler: Scheduler, sequences: list[Sequence]) -> tuple[dict[int, list[int]], list[int]]:
+    """Serve the sequences to the end: (tokens streamed to each, by id; rows of every batched step)."""
     streamed: dict[int, list[int]] = {id(s): [] for s in sequences}
+    batch_sizes = []
     for sequence in sequences:
         scheduler.submit(sequence)
     while scheduler.busy:
         for sequence, tokens in scheduler.step():
             streamed[id(sequence)].extend(tokens)
-    return streamed
+        batch_sizes.append(scheduler.last_batch)
+    return streamed, batch_sizes
 
 
 def test_batched_outputs_equal_each_request_served_alone(engine: GraphEngine) -> None:
     requests = _requests(10, seed=0)  # 10 requests, 4 slots: six join a running batch as others leave
     alone = [generate(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
-    scheduler = Scheduler(engine)
-    batch_sizes = []
-    streamed: dict[int, list[int]] = {id(r): [] for r in requests}
-    for request in requests:
-        scheduler.submit(request)
-    while scheduler.busy:
-        for sequence, tokens in scheduler.step():
-            streamed[id(sequence)].extend(tokens)
-        batch_sizes.append(scheduler.last_batch)
+    streamed, batch_sizes = _run_all(Scheduler(engine), requests)
     for request, expected in zip(requests, alone, strict=True):
         assert request.tokens == expected, f"prompt {request.prompt}: batched output differs from the same request alone"
         assert streamed[id(request)] == expected, "what was streamed is what was generated"

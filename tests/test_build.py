@@ -74,7 +74,8 @@ def test_interrupted_build_leaves_no_valid_output_and_a_rerun_succeeds(interrupt
 
 def test_repository_layout(interrupted_then_built) -> None:
     output = interrupted_then_built[0]
-    for model in ("ensemble", "preprocessing", "dflash", "postprocessing"):
+    for model in ("ensemble", "preprocessing", "dflash"):
+        assert not (output / "postprocessing").exists(), "detokenization lives in the dflash model"
         assert (output / model / "config.pbtxt").is_file()
         assert "${" not in (output / model / "config.pbtxt").read_text(), "every template placeholder is filled"
     assert (output / "preprocessing/1/tokenizer/tokenizer.json").is_file()

@@ -3,8 +3,8 @@
 `execute` only admits: it parses each request into a `Sequence` and hands it to the serving thread. That thread
 owns the scheduler: between steps it takes in new requests, runs one batched step for every active sequence,
 sends each its verified tokens at once, and retires finished, stopped, failed and cancelled ones (slot freed).
-One request's error is that request's alone. Tokens that end inside a multi-byte character are held back so
-that the postprocessing model never emits half a character.
+One request's error is that request's alone. Each response carries the new token ids and the text they
+complete (tokenizers' DecodeStream: never half a character).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import Sequence, StopCriteria
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from dflash_trt.runtime.scheduler import AdaptiveVerify, Scheduler
 from transformers import AutoTokenizer
 
-PREFIX_CONTEXT = 4  # tokens of already-sent text the detokenizer sees again, for tokenizers with context-dependent spacing
 IDLE_WAIT_SECONDS = 0.5  # how long the serving thread sleeps on an empty queue before looking again
 STEP_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0]
@@ -44,8 +44,10 @@ class Client:
     sender: object
     sequence: Sequence
     streaming: bool
+    text: TextStream
     arrived: float = field(default_factory=time.perf_counter)
-    sent: int = 0
+    sent: int = 0  # tokens sent so far
+    unsent_text: str = ""
 
 
 class Metrics:
@@ -130,7 +132,7 @@ class TritonPythonModel:
         prompt = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
         max_tokens = int(_scalar(request, "max_tokens", 0))  # type: ignore[call-overload]
         sequence = Sequence(prompt, max_tokens, self._sampling(request), self._stop(request))
-        return Client(request, sender, sequence, streaming=bool(_scalar(request, "stream", False)))
+        return Client(request, sender, sequence, bool(_scalar(request, "stream", False)), TextStream(self.tokenizer))
 
     def _sampling(self, request: object) -> SamplingParams:
         seed = _scalar(request, "seed", None)
@@ -196,23 +198,20 @@ class TritonPythonModel:
                 client.sender.send(pb_utils.InferenceResponse(error=error), flags=final)  # type: ignore[attr-defined]
 
     def _deliver(self, client: Client, new: list[int]) -> None:
-        """Send what is ready: each step's tokens when streaming, everything at the end otherwise."""
+        """Send what is ready: each step's tokens and text when streaming, everything at the end otherwise."""
         sequence = client.sequence
         if len(sequence.tokens) == len(new) and new:
             self.metrics.observe("queue_seconds", time.perf_counter() - client.arrived)
-        tokens = sequence.tokens
+        client.unsent_text += client.text.push(new)
+        if not (sequence.finished or (client.streaming and new)):
+            return
+        response = self._response(sequence.tokens[client.sent :], client.unsent_text, sequence)
+        client.sent, client.unsent_text = len(sequence.tokens), ""
         if sequence.finished:
             self._finish(client)
-            start = client.sent if client.streaming else 0
-            response = self._response(tokens[start:], self._prefix(client, start), sequence)
             client.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
-        elif client.streaming and new and not self.tokenizer.decode(tokens[client.sent :]).endswith("\ufffd"):
-            response = self._response(tokens[client.sent :], self._prefix(client, client.sent), sequence)
+        else:
             client.sender.send(response)  # type: ignore[attr-defined]
-            client.sent = len(tokens)
-
-    def _prefix(self, client: Client, start: int) -> list[int]:
-        return client.sequence.tokens[max(0, start - PREFIX_CONTEXT) : start]
 
     def _finish(self, client: Client) -> None:
         self.clients.pop(id(client.sequence), None)
@@ -231,11 +230,11 @@ class TritonPythonModel:
             self.metrics.observe("batch", self.scheduler.last_batch)
             self.metrics.observe("step_seconds", seconds)
 
-    def _response(self, new: list[int], prefix: list[int], sequence: Sequence) -> object:
+    def _response(self, new: list[int], text: str, sequence: Sequence) -> object:
         stats = sequence.stats
         tensors = [
             pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int64)),
-            pb_utils.Tensor("prefix_ids", np.asarray(prefix, dtype=np.int64)),
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
             pb_utils.Tensor("total_draft_tokens", np.asarray([stats.draft_tokens], dtype=np.int64)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([stats.accepted_draft_tokens], dtype=np.int64)),
             pb_utils.Tensor("acceptance_rate", np.asarray([stats.acceptance_rate], dtype=np.float32)),

@@ -38,10 +38,11 @@ class StopCriteria:
     def first_stop(self, tokens: list[int], new_from: int) -> int | None:
         """Index one past the token that ends generation, looking at tokens[new_from:], else None.
 
-        A stop string is looked for in the text of a tail window only (the longest stop string's length in
-        tokens, plus STOP_WINDOW_TOKENS), so the check costs the same at every length.
+        A stop string is looked for in the text of a tail window only (4 tokens per character of the longest
+        stop string, as a character takes at most 4 byte-level tokens, plus STOP_WINDOW_TOKENS), so the check
+        costs the same at every length.
         """
-        window = max((len(s) for s in self.stop_strings), default=0) + STOP_WINDOW_TOKENS
+        window = 4 * max((len(s) for s in self.stop_strings), default=0) + STOP_WINDOW_TOKENS
         for index in range(new_from, len(tokens)):
             if tokens[index] in self.eos_token_ids:
                 return index + 1

@@ -102,22 +102,24 @@ class AdaptiveVerify:
     batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
     per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch).
 
-    Acceptance at position j is only observed when j drafts are verified. To keep the estimates of positions
-    beyond the chosen k current, the policy now and then verifies `explore_extra` more (two steps: one that
-    drafts them, one that verifies them), but only once the steps since the last look have cost
-    `explore_budget` times what the look costs: exploring stays within about 1/explore_budget of the time.
+    Acceptance at position j is only observed when j drafts are verified, and a step's cost only when such a
+    step runs. To keep both current, the policy now and then looks `explore_extra` drafts beyond the chosen k
+    (two steps: one that drafts them, one that verifies them) or, every other time, below it, but only once
+    the steps since the last look have cost `explore_budget` times what the look costs: exploring stays within
+    about 1/explore_budget of the time.
     """
 
     block_size: int
     costs: StepCosts = field(default_factory=StepCosts)
     explore_extra: int = 2
-    explore_budget: float = 50.0
+    explore_budget: float = 100.0
     decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
     graph_when_idle: str = "verify"
     verified: np.ndarray = field(init=False)  # [B]: steps that verified position j (index 0 unused)
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps whose drafts 1..j were all accepted
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
+    looks: int = 0  # explorations so far (odd ones look below the chosen k)
 
     def __post_init__(self) -> None:
         self.verified = np.ones(self.block_size)  # a weak prior: a third of each position accepted
@@ -154,13 +156,14 @@ class AdaptiveVerify:
         if any(np.isnan(r) for r in rates):
             return self.block_size - 1  # nothing measured yet: verify everything and measure
         best = int(np.argmax(rates))
-        look = min(best + self.explore_extra, self.block_size - 1)
+        below = self.looks % 2 == 1 and best > 0
+        look = max(best - self.explore_extra, 0) if below else min(best + self.explore_extra, self.block_size - 1)
         if self.exploring:
             self.exploring -= 1
             return look
-        extra = (self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0)
-        if look > best and self.since_look >= self.explore_budget * 2 * max(extra, 0.0):
-            self.since_look, self.exploring = 0.0, 1
+        extra = abs((self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0))
+        if look != best and self.since_look >= self.explore_budget * 2 * extra:
+            self.since_look, self.exploring, self.looks = 0.0, 1, self.looks + 1
             return look
         return best
 
@@ -199,7 +202,7 @@ class AdaptiveVerify:
             batch *= 2
 
 
-def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 2) -> float:
+def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 3) -> float:
     """Seconds of one call on throw-away rows of the first free slots at positions `start`.. (stale rows: nothing is
     kept, and attention over them costs what it costs over real ones)."""
     held = [engine.pool.acquire() for _ in range(batch)]
@@ -212,6 +215,7 @@ def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: 
             sampling=SamplingTensors.of([GREEDY] * batch, engine.vocab_size),
             drafts=drafts,
         )
+        engine.run(graph, call)  # a new shape: the runner plans its memory on the first call
         best = float("inf")
         for _ in range(repeats):
             began = time.perf_counter()

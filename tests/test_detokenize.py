@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_trt.runtime.detokenize import TextStream
+from dflash_trt.runtime.loop import StopCriteria
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -27,3 +28,13 @@ def test_pieces_are_whole_characters_and_add_up_to_the_decode() -> None:
         pieces = [stream.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
         assert all("\ufffd" not in piece for piece in pieces)
         assert "".join(pieces) == tokenizer.decode(ids) == TEXT
+
+
+def test_stop_strings_are_found_in_a_tail_window_where_a_whole_text_search_finds_them() -> None:
+    """StopCriteria decodes only a tail window per token; it must stop exactly where searching the whole text
+    would, also for stop strings whose characters span several byte-level tokens."""
+    tokenizer = _byte_level_tokenizer()
+    ids = tokenizer(TEXT)["input_ids"]
+    for stop in ("café", "中文字", "🚀🎉", "ASCII words", "é 中", "not in the text"):
+        whole = next((i + 1 for i in range(len(ids)) if stop in tokenizer.decode(ids[: i + 1])), None)
+        assert StopCriteria(stop_strings=(stop,), decode=tokenizer.decode).first_stop(ids, 0) == whole, stop

@@ -38,33 +38,13 @@ class SessionSettings:
         options = ort.SessionOptions()
         options.graph_optimization_level = levels[self.graph_optimization]
         options.log_severity_level = 3
-        if _share_thread_pool(self.threads):
-            options.use_per_session_threads = False
-        else:  # each session spins its own pool: keep them from spinning against each other between calls
-            options.intra_op_num_threads = self.threads
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.intra_op_num_threads = self.threads
+        # The graphs of one engine alternate from step to step (step, verify, prefill), each session with its own
+        # thread pool. A pool spins for a while after its run; on a small CPU the next session's run then competes
+        # with it (SmolLM2-135M, 2 cores: a 1-token verify right after a step took 69 ms instead of 30). Spin
+        # during a run, stop at its end: 28 ms.
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         return options
-
-
-_shared_pool_threads: int | None = None
-
-
-def _share_thread_pool(threads: int) -> bool:
-    """One intra-op thread pool for every session of the process (ONNX Runtime's global pools).
-
-    The graphs of one engine alternate from step to step (step, verify, prefill); with a pool per session, the
-    pool that just ran keeps spinning while the next session's works, and on a small CPU a 1-token verify after
-    a step took 69 ms instead of 30 (SmolLM2-135M, 2 cores). The global pool is set once, before the first
-    session of the process that uses it; a later request for another size keeps the first one.
-    """
-    global _shared_pool_threads
-    if _shared_pool_threads is None:
-        set_sizes = getattr(ort.capi._pybind_state, "set_global_thread_pool_sizes", None)
-        if set_sizes is None:
-            return False
-        set_sizes(threads, 1)
-        _shared_pool_threads = threads
-    return True
 
 
 class OnnxRuntimeRunner:

@@ -170,7 +170,15 @@ class TritonPythonModel:
                 self._fail_all(error)
                 continue
             for sequence, tokens in emitted:
-                self._deliver(self.clients[id(sequence)], tokens)
+                client = self.clients.get(id(sequence))
+                if client is None:
+                    continue
+                try:
+                    self._deliver(client, tokens)
+                except Exception as error:  # a response that cannot be sent ends that request alone
+                    pb_utils.Logger.log_error(f"dflash: could not send to a client: {error!r}; its request is dropped")
+                    self.scheduler.cancel(sequence)
+                    self.clients.pop(id(sequence), None)
 
     def _take_new(self, block: bool) -> None:
         try:

@@ -59,9 +59,6 @@ class EngineSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def state_bytes_per_sequence(self) -> int:
-        return sum(s.bytes_per_sequence() for s in self.states)
-
 
 class GraphRunner(Protocol):
     """Executes the graphs of a built pair: named inputs (graph_io) -> named outputs."""
@@ -73,13 +70,17 @@ class TorchRunner:
     """The reference: the graph bodies (methods of a torch module) run eagerly."""
 
     def __init__(self, graphs: Any, spec: EngineSpec) -> None:
-        self.graphs, self.spec = graphs.eval(), spec
+        self.graphs = graphs.eval()
+        self.names = {
+            g: ([t.name for t in graph_inputs(g, spec.states)], [t.name for t in graph_outputs(g, spec.states)])
+            for g in GRAPH_NAMES
+        }
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         body: Callable[..., tuple[torch.Tensor, ...]] = getattr(self.graphs, graph)
-        outputs = body(*(inputs[t.name] for t in graph_inputs(graph, self.spec.states)))
-        return {t.name: tensor for t, tensor in zip(graph_outputs(graph, self.spec.states), outputs, strict=True)}
+        input_names, output_names = self.names[graph]
+        return dict(zip(output_names, body(*(inputs[name] for name in input_names)), strict=True))
 
 
 @dataclass(frozen=True)

@@ -146,13 +146,14 @@ class AdaptiveVerify:
         draft = self.costs.estimate(f"draft{nearest}", batch)
         return None if draft is None else verify + draft
 
-    def expected_rate(self, batch: int, drafts: int) -> float:
-        cost = self.step_cost(batch, drafts)
-        tokens = batch * float(self.acceptance()[: drafts + 1].sum())
-        return float("nan") if cost is None else tokens / max(cost, 1e-9)
+    def expected_rates(self, batch: int) -> list[float]:
+        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
+        tokens = batch * np.cumsum(self.acceptance())  # [B]: expected tokens per step for each k
+        costs = [self.step_cost(batch, k) for k in range(self.block_size)]
+        return [float("nan") if c is None else float(t) / max(c, 1e-9) for t, c in zip(tokens, costs, strict=True)]
 
     def choose(self, batch: int) -> int:
-        rates = [self.expected_rate(batch, k) for k in range(self.block_size)]
+        rates = self.expected_rates(batch)
         if any(np.isnan(r) for r in rates):
             return self.block_size - 1  # nothing measured yet: verify everything and measure
         best = int(np.argmax(rates))

@@ -40,12 +40,6 @@ class StateSpec:
     def pool_shape(self, slots: int) -> tuple[int, ...]:
         return (self.layers, slots, *self.shape)
 
-    def bytes_per_sequence(self) -> int:
-        count = self.layers
-        for size in self.shape:
-            count *= size
-        return count * self.torch_dtype.itemsize
-
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "shape": list(self.shape)}
 
@@ -92,10 +86,3 @@ class StatePool:
     def write_rows(self, name: str, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Write a positional state in place: slots [B], positions [B, S], rows [layers, B, S, *row_shape]."""
         self.tensors[name][:, slots[:, None], positions] = rows.to(self.tensors[name].dtype)
-
-    def write_values(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace a recurrent state in place: slots [B], values [layers, B, *shape]."""
-        self.tensors[name][:, slots] = values.to(self.tensors[name].dtype)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())

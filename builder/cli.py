@@ -94,6 +94,7 @@ def build(args: argparse.Namespace) -> Path:
         "engine_dir": ENGINE_DIR,
         "tokenizer_dir": TOKENIZER_DIR,
         "apply_chat_template": "false" if args.no_chat_template else "true",
+        "max_batch_size": str(spec.max_batch_size),
     }
     with staged_output(args.output, args.force) as repo:
         write_templates(repo, values)

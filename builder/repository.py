@@ -21,10 +21,11 @@ from string import Template
 from dflash_trt.builder.checkpoints import CheckpointError
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "model_repo"
-MODELS = ("ensemble", "preprocessing", "dflash")
+MODELS = ("ensemble", "dflash")
+UNARY_CONFIG = "unary"  # `tritonserver --model-config-name=unary`: the ensemble non-decoupled, for unary infer
 MANIFEST = "dflash-manifest.json"  # top level of the repository (Triton ignores plain files there)
 ENGINE_DIR = "engine"  # inside dflash/1/
-TOKENIZER_DIR = "preprocessing/1/tokenizer"
+TOKENIZER_DIR = "dflash/1/tokenizer"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -45,12 +46,17 @@ def templates_dir() -> Path:
 
 
 def write_templates(repo: Path, values: dict[str, str]) -> None:
-    """Copy the four Triton models, substituting ${name} placeholders in their config.pbtxt."""
+    """Copy the Triton models, substituting ${name} placeholders in their config.pbtxt. A model whose template has
+    ${decoupled} gets config.pbtxt decoupled (streaming) and configs/unary.pbtxt not (unary infer), as
+    tensorrtllm_backend's `decoupled_mode` switch does; `dflash-serve --unary` picks the second."""
     source = templates_dir()
     for model in MODELS:
         (repo / model / "1").mkdir(parents=True, exist_ok=True)
-        config = Template((source / model / "config.pbtxt").read_text()).substitute(values)
-        (repo / model / "config.pbtxt").write_text(config)
+        template = Template((source / model / "config.pbtxt").read_text())
+        (repo / model / "config.pbtxt").write_text(template.substitute(values, decoupled="true"))
+        if "${decoupled}" in template.template:
+            (repo / model / "configs").mkdir(exist_ok=True)
+            (repo / model / "configs" / f"{UNARY_CONFIG}.pbtxt").write_text(template.substitute(values, decoupled="false"))
         script = source / model / "1" / "model.py"
         if script.is_file():
             shutil.copy2(script, repo / model / "1" / "model.py")

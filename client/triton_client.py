@@ -1,7 +1,8 @@
-"""A small client for a served dflash model repository: gRPC streaming (default) and HTTP generate endpoints.
+"""A small client for a served dflash model repository: gRPC streaming (default), unary gRPC and HTTP generate.
 
 `stream_text` talks to the `ensemble` (text in, text out); `stream_tokens` to the token-level `dflash` model.
 Both yield pieces as the server sends them (one per draft-verify step) and end with the request's statistics.
+Inputs carry tensorrtllm_backend's names and its leading batch dimension of 1 ([1, 1] scalars, [1, N] lists).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class Request:
     stream: bool = True
 
     def fields(self) -> dict[str, Any]:
-        """Triton inputs (tensorrtllm_backend names) other than the prompt, omitting unset optionals."""
+        """Triton inputs (tensorrtllm_backend names) other than the prompt, omitting unset optionals. top_p is always
+        sent: under TensorRT-LLM's conventions a request with neither top_k nor top_p is greedy at any temperature."""
         values: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "stream": self.stream,
@@ -43,7 +45,7 @@ class Request:
             "top_p": self.top_p,
         }
         if self.seed is not None:
-            values["seed"] = self.seed
+            values["random_seed"] = self.seed
         if self.end_id is not None:
             values["end_id"] = self.end_id
         if self.stop_words:
@@ -58,9 +60,15 @@ NUMPY_TYPES = {
     "temperature": np.float32,
     "top_k": np.int32,
     "top_p": np.float32,
-    "seed": np.uint64,
+    "random_seed": np.uint64,
     "end_id": np.int32,
+    "exclude_input_in_output": np.bool_,
 }
+
+
+def _text_fields(request: Request) -> dict[str, Any]:
+    """The ensemble's inputs: the completion alone, without the prompt in front (tensorrtllm_backend's default)."""
+    return {**request.fields(), "exclude_input_in_output": True}
 
 
 @dataclass
@@ -84,10 +92,11 @@ class Timing:
         return float(gaps.mean()) if len(gaps) else float("nan")
 
 
-def _grpc_inputs(prompt_name: str, prompt: np.ndarray, request: Request) -> list[grpcclient.InferInput]:
-    tensors = [(prompt_name, prompt)]
-    for name, value in request.fields().items():
-        array = np.array(value, dtype=object) if name == "stop_words" else np.array([value], dtype=NUMPY_TYPES[name])
+def grpc_inputs(prompt_name: str, prompt: np.ndarray, fields: dict[str, Any]) -> list[grpcclient.InferInput]:
+    """[1, ...] tensors: the prompt (ids or text) and each field."""
+    tensors = [(prompt_name, prompt.reshape(1, -1))]
+    for name, value in fields.items():
+        array = np.array([value], dtype=object) if name == "stop_words" else np.array([[value]], dtype=NUMPY_TYPES[name])
         tensors.append((name, array))
     inputs = []
     for name, array in tensors:
@@ -123,30 +132,48 @@ def grpc_stream(
 
 def stream_tokens(url: str, input_ids: list[int], request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response."""
-    inputs = _grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request)
+    inputs = grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request.fields())
     for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS)):
         if timing is not None:
             timing.mark()
         yield {
-            "tokens": arrays["output_ids"].tolist(),
+            "tokens": arrays["output_ids"].reshape(-1).tolist(),
             **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "output_ids"},
         }
 
 
 def stream_text(url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response."""
-    inputs = _grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), request)
-    outputs = ("text_output", *STAT_OUTPUTS)
-    for arrays in grpc_stream(url, "ensemble", inputs, outputs):
+    inputs = grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), _text_fields(request))
+    for arrays in grpc_stream(url, "ensemble", inputs, ("text_output", *STAT_OUTPUTS)):
         if timing is not None:
             timing.mark()
-        piece = b"".join(arrays["text_output"].reshape(-1)).decode("utf-8")
-        yield {"text": piece, **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "text_output"}}
+        yield _text_answer(arrays)
+
+
+def infer_text(url: str, text: str, request: Request, timeout: float = 600.0) -> dict[str, Any]:
+    """Unary gRPC infer on the ensemble (a server started with `dflash-serve --unary`): one answer, stream off."""
+    fields = {**_text_fields(request), "stream": False}
+    inputs = grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), fields)
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        outputs = [grpcclient.InferRequestedOutput(name) for name in ("text_output", *STAT_OUTPUTS)]
+        result = client.infer("ensemble", inputs, outputs=outputs, client_timeout=timeout)
+    except grpcclient.InferenceServerException as error:
+        raise ServerError(error.message()) from None
+    finally:
+        client.close()
+    return _text_answer({name: result.as_numpy(name) for name in ("text_output", *STAT_OUTPUTS)})
+
+
+def _text_answer(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    piece = b"".join(arrays["text_output"].reshape(-1)).decode("utf-8")
+    return {"text": piece, **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "text_output"}}
 
 
 def http_generate_stream(base_url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Triton's HTTP generate_stream endpoint (server-sent events) on the ensemble."""
-    body = json.dumps({"text_input": text, **request.fields()}).encode("utf-8")
+    body = json.dumps({"text_input": text, **_text_fields(request)}).encode("utf-8")
     post = urllib.request.Request(
         f"{base_url}/v2/models/ensemble/generate_stream", data=body, headers={"Content-Type": "application/json"}
     )
@@ -168,7 +195,7 @@ def http_generate_stream(base_url: str, text: str, request: Request, timing: Tim
 
 def http_generate(base_url: str, text: str, request: Request) -> dict[str, Any]:
     """Triton's HTTP generate endpoint (one JSON answer; the request must not stream)."""
-    body = json.dumps({"text_input": text, **request.fields(), "stream": False}).encode("utf-8")
+    body = json.dumps({"text_input": text, **_text_fields(request), "stream": False}).encode("utf-8")
     post = urllib.request.Request(
         f"{base_url}/v2/models/ensemble/generate", data=body, headers={"Content-Type": "application/json"}
     )

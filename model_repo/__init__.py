@@ -1,1 +1,1 @@
-"""Triton model repository templates (ensemble, preprocessing, dflash)."""
+"""Triton model repository templates (ensemble, dflash)."""

@@ -41,6 +41,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @staticmethod
+    def from_request(temperature: float | None, top_k: int | None, top_p: float | None, seed: int | None) -> SamplingParams:
+        """A served request's parameters under TensorRT-LLM's conventions (tensorrtllm_backend clients rely on them):
+        neither top_k nor top_p set (or both 0) is greedy decoding whatever the temperature; top_p 0 means no
+        nucleus; temperature defaults to 1.0 and 0 is greedy. Invalid values are refused by `validate`."""
+        k, p = top_k or 0, top_p or 0.0
+        params = SamplingParams(1.0 if temperature is None else temperature, k, 1.0 if p == 0 else p, seed)
+        params.validate()
+        return SamplingParams(seed=seed) if k == 0 and p == 0 or params.greedy else params
+
     def uniforms(self, count: int) -> np.ndarray:
         """[count] float32 in [0, 1): the uniform for generated token n is uniforms[n], whatever the steps look like,
         so a seeded request draws the same tokens alone or in any batch and with any verify length."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.builder.embedded import data_dir
-from dflash_trt.builder.repository import is_complete_repository
+from dflash_trt.builder.repository import UNARY_CONFIG, is_complete_repository
 
 SYSTEM_TRITON = Path("/opt/tritonserver")
 
@@ -82,8 +82,8 @@ class Ports:
     metrics: int
 
 
-def start_server(repo: Path, ports: Ports, log_path: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start tritonserver on the repository (not waiting for readiness)."""
+def start_server(repo: Path, ports: Ports, log_path: Path | None = None, unary: bool = False) -> subprocess.Popen[bytes]:
+    """Start tritonserver on the repository (not waiting for readiness); `unary` serves the ensemble non-decoupled."""
     if not is_complete_repository(repo):
         raise FileNotFoundError(
             f"{repo} is not a complete dflash-build model repository (no dflash-manifest.json); run dflash-build first"
@@ -94,6 +94,8 @@ def start_server(repo: Path, ports: Ports, log_path: Path | None = None) -> subp
         f"--grpc-port={ports.grpc}", f"--http-port={ports.http}", f"--metrics-port={ports.metrics}",
         "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-on-error=true", "--log-verbose=0",
     ]  # fmt: skip
+    if unary:
+        command.append(f"--model-config-name={UNARY_CONFIG}")
     output = open(log_path, "wb") if log_path else None  # the child process owns it
     return subprocess.Popen(
         command, env={**os.environ, **triton.env}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
@@ -134,9 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument(
+        "--unary",
+        action="store_true",
+        help="serve the ensemble non-decoupled (tensorrtllm_backend's decoupled_mode false): unary gRPC infer and HTTP "
+        "generate work, streaming requests are refused",
+    )
     args = parser.parse_args(argv)
     try:
-        process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port))
+        process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port), unary=args.unary)
         seconds = wait_ready(process, args.http_port)
     except (FileNotFoundError, RuntimeError, TimeoutError) as error:
         print(f"dflash-serve: error: {error}", file=sys.stderr)

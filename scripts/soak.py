@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from dflash_trt.builder.repository import TOKENIZER_DIR
-from dflash_trt.client.triton_client import Request, _grpc_inputs, stream_tokens
+from dflash_trt.client.triton_client import Request, grpc_inputs, stream_tokens
 from dflash_trt.runtime.loop import generate_plain
 from dflash_trt.runtime.prompts import encode_prompt, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
@@ -103,7 +103,8 @@ def main() -> int:
         stream = grpcclient.InferenceServerClient(url)
         answers: queue.Queue = queue.Queue()
         stream.start_stream(callback=lambda result, error, answers=answers: answers.put((result, error)))
-        inputs = _grpc_inputs("input_ids", np.asarray(prompts[cycle % len(prompts)], dtype=np.int64), Request(200, end_id=NO_END))
+        prompt = np.asarray(prompts[cycle % len(prompts)], dtype=np.int64)
+        inputs = grpc_inputs("input_ids", prompt, Request(200, end_id=NO_END).fields())
         stream.async_stream_infer("dflash", inputs, enable_empty_final_response=True)
         answers.get(timeout=120)
         stream.stop_stream(cancel_requests=True)

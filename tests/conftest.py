@@ -123,10 +123,10 @@ def tiny_repo(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_fac
 
 
 @contextmanager
-def running_server(repo: Path, log_dir: Path) -> Iterator[Ports]:
+def running_server(repo: Path, log_dir: Path, unary: bool = False) -> Iterator[Ports]:
     """A real tritonserver on `repo` at free loopback ports, stopped (cleanly) afterwards."""
     ports = Ports(free_port(), free_port(), free_port())
-    process = start_server(repo, ports, log_dir / "server.log")
+    process = start_server(repo, ports, log_dir / "server.log", unary=unary)
     try:
         wait_ready(process, ports.http)
         yield ports

@@ -74,11 +74,13 @@ def test_interrupted_build_leaves_no_valid_output_and_a_rerun_succeeds(interrupt
 
 def test_repository_layout(interrupted_then_built) -> None:
     output = interrupted_then_built[0]
-    for model in ("ensemble", "preprocessing", "dflash"):
-        assert not (output / "postprocessing").exists(), "detokenization lives in the dflash model"
-        assert (output / model / "config.pbtxt").is_file()
-        assert "${" not in (output / model / "config.pbtxt").read_text(), "every template placeholder is filled"
-    assert (output / "preprocessing/1/tokenizer/tokenizer.json").is_file()
+    assert sorted(p.name for p in output.iterdir() if p.is_dir()) == ["dflash", "ensemble"]
+    configs = [output / "ensemble/config.pbtxt", output / "ensemble/configs/unary.pbtxt", output / "dflash/config.pbtxt"]
+    for config in configs:
+        assert "${" not in config.read_text(), "every template placeholder is filled"
+        assert "max_batch_size: 8\n" in config.read_text(), "the batch dimension is the engine's slot count"
+    assert "decoupled: true" in configs[0].read_text() and "decoupled: false" in configs[1].read_text()
+    assert (output / "dflash/1/tokenizer/tokenizer.json").is_file()
     engine, manifest = load_engine(output)
     assert manifest["backend"] == "onnxruntime" and manifest["engine"]["block_size"] == 16
     assert set(manifest["target"]["sha256"]) >= {"config.json", "model.safetensors"}

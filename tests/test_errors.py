@@ -102,3 +102,30 @@ def test_engine_limits(tiny_targets: dict[str, Path], tiny_drafter: Path) -> Non
     target, drafter = load_pair(tiny_targets["llama"], tiny_drafter)
     with pytest.raises(ValueError, match=r"max_seq_len=100000 must be in \[1, 512\]"):
         torch_engine(target, drafter, max_seq_len=100000)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        # (temperature, top_k, top_p) as a served request sends them; None = not sent
+        ((1.0, None, None), SamplingParams()),  # neither top_k nor top_p: greedy, as in TensorRT-LLM
+        ((0.7, 0, 0.0), SamplingParams()),
+        ((0.0, 20, 0.9), SamplingParams()),  # temperature 0 is greedy
+        ((None, 20, None), SamplingParams(1.0, 20, 1.0)),  # top-k alone: no nucleus, temperature 1
+        ((0.8, 0, 0.9), SamplingParams(0.8, 0, 0.9)),
+        ((0.8, 5, 0.0), SamplingParams(0.8, 5, 1.0)),  # top_p 0 = off
+    ],
+)
+def test_served_sampling_follows_tensorrt_llm_conventions(
+    fields: tuple[float | None, int | None, float | None], expected: SamplingParams
+) -> None:
+    assert SamplingParams.from_request(*fields, seed=None) == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [((-1.0, 5, None), "temperature=-1.0 is invalid"), ((1.0, -2, None), "top_k=-2 is invalid"), ((1.0, 0, 1.5), "top_p=1.5")],
+)
+def test_served_sampling_refuses_bad_values(fields: tuple[float, int, float | None], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        SamplingParams.from_request(*fields, seed=None)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import queue
 import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -13,21 +16,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import (
     Request,
     ServerError,
-    _grpc_inputs,
+    grpc_inputs,
     grpc_stream,
+    http_generate,
     http_generate_stream,
+    infer_text,
     stream_text,
     stream_tokens,
 )
 from dflash_trt.runtime.loop import StopCriteria, generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import running_server
 
@@ -160,12 +166,12 @@ def test_a_bad_request_in_a_busy_batch_gets_its_error_and_the_others_finish(serv
 
     def work(index: int) -> object:
         if index == 3:
-            return list(stream_tokens(server.grpc, [5, 6, 7], Request(8, temperature=1.0, top_p=0.0)))
+            return list(stream_tokens(server.grpc, [5, 6, 7], Request(8, temperature=1.0, top_p=1.5)))
         prompt, request = _mixed_request(index)
         return _final_stats(server, prompt, Request(request.max_tokens))[0]
 
     results = _concurrently(6, work)
-    assert isinstance(results[3], ServerError) and "top_p=0.0 is outside" in str(results[3])
+    assert isinstance(results[3], ServerError) and "top_p=1.5 is outside" in str(results[3])
     for index in (0, 1, 2, 4, 5):
         prompt, request = _mixed_request(index)
         assert results[index] == generate_plain(engine, prompt, request.max_tokens).tokens
@@ -175,7 +181,7 @@ def test_cancel_mid_stream_frees_the_slot_for_the_next_request(server: Server, t
     client = grpcclient.InferenceServerClient(server.grpc)
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    inputs = _grpc_inputs("input_ids", np.array([5, 6, 7, 8], dtype=np.int64), Request(200))
+    inputs = grpc_inputs("input_ids", np.array([5, 6, 7, 8], dtype=np.int64), Request(200).fields())
     client.async_stream_infer("dflash", inputs, enable_empty_final_response=True)
     answers.get(timeout=60)  # generating
     assert _metric(server, "dflash_free_slots") == 7
@@ -216,15 +222,15 @@ def _raw_inputs(**tensors: np.ndarray) -> list[grpcclient.InferInput]:
 
 
 def _text(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=object)
+    return np.array([[value.encode()]], dtype=object)
 
 
 def _i32(*values: int) -> np.ndarray:
-    return np.array(values, np.int32)
+    return np.array([values], np.int32)
 
 
 def _f32(value: float) -> np.ndarray:
-    return np.array([value], np.float32)
+    return np.array([[value]], np.float32)
 
 
 BAD_REQUESTS = {
@@ -238,7 +244,29 @@ BAD_REQUESTS = {
     "wrong dtype": (dict(text_input=_text("w5"), max_tokens=_f32(8.0)), "max_tokens"),
     "wrong shape": (dict(text_input=_text("w5"), max_tokens=_i32(8, 9)), "max_tokens"),
     "unknown parameter": (dict(text_input=_text("w5"), max_tokens=_i32(8), temprature=_f32(1.0)), "temprature"),
-    "bad top_p": (dict(text_input=_text("w5"), max_tokens=_i32(8), top_p=_f32(0.0)), "top_p=0.0 is outside"),
+    "bad top_p": (dict(text_input=_text("w5"), max_tokens=_i32(8), top_p=_f32(1.5)), "top_p=1.5 is outside"),
+    "no batch dimension": (dict(text_input=np.array([b"w5"], dtype=object), max_tokens=_i32(8)), "text_input"),
+    "two prompts in one request": (
+        dict(text_input=np.array([[b"w5"], [b"w6"]], dtype=object), max_tokens=np.array([[8], [8]], np.int32)),
+        "text_input has batch size 2: send one prompt per request",
+    ),
+    "beam search": (dict(text_input=_text("w5"), max_tokens=_i32(8), beam_width=_i32(2)), "beam_width=2 is not supported"),
+    "several sequences": (
+        dict(text_input=_text("w5"), max_tokens=_i32(8), num_return_sequences=_i32(3)),
+        "num_return_sequences=3 is not supported",
+    ),
+    "penalty": (
+        dict(text_input=_text("w5"), max_tokens=_i32(8), repetition_penalty=_f32(1.2)),
+        "repetition_penalty=1.2.* is not supported",
+    ),
+    "bad words": (
+        dict(text_input=_text("w5"), max_tokens=_i32(8), bad_words=np.array([[b"w7"]], dtype=object)),
+        "bad_words is not supported",
+    ),
+    "log probs": (
+        dict(text_input=_text("w5"), max_tokens=_i32(8), return_log_probs=np.array([[True]])),
+        "return_log_probs=True is not supported",
+    ),
 }
 
 
@@ -251,3 +279,139 @@ def test_bad_request_gets_an_error_and_the_server_keeps_serving(
         list(grpc_stream(server.grpc, "ensemble", _raw_inputs(**tensors), ("text_output",)))
     tokenizer = AutoTokenizer.from_pretrained(tiny_repo / TOKENIZER_DIR)
     assert [t for r in _tokens(server, PROMPTS[0], tokenizer) for t in r] == in_process[PROMPTS[0]]
+
+
+# --- tensorrtllm_backend's clients, unchanged -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unary_server(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tiny_repo, tmp_path_factory.mktemp("triton-unary"), unary=True) as ports:
+        yield Server(f"localhost:{ports.grpc}", f"http://localhost:{ports.http}", f"http://localhost:{ports.metrics}/metrics")
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(tiny_targets: dict[str, Path], tiny_repo: Path) -> dict[str, str]:
+    """transformers' greedy completion of each prompt, as text (the tiny tokenizer has no chat template)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_repo / TOKENIZER_DIR)
+    model = AutoModelForCausalLM.from_pretrained(tiny_targets["qwen3"], dtype=torch.float32)
+    completions = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        output = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        completions[prompt] = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+    return completions
+
+
+def _end_to_end_client_inputs(prompt: str, output_len: int, streaming: bool) -> list[grpcclient.InferInput]:
+    """What tensorrtllm_backend's inflight_batcher_llm/client/end_to_end_grpc_client.py sends by default: its five
+    inputs plus exclude_input_in_output, every one [1, 1] with its dtypes, temperature 1.0 and no top_k/top_p."""
+    return _raw_inputs(
+        text_input=np.array([[prompt]]).astype(object),
+        max_tokens=np.array([[output_len]], dtype=np.int32),
+        stream=np.array([[streaming]], dtype=bool),
+        beam_width=np.array([[1]], dtype=np.int32),
+        temperature=np.array([[1.0]], dtype=np.float32),
+        exclude_input_in_output=np.array([[False]], dtype=bool),
+    )
+
+
+def _end_to_end_client_text(url: str, prompt: str, streaming: bool) -> str:
+    """That client's stream: start_stream, one async_stream_infer asking for text_output, stop_stream (which waits
+    for the end), then each response's text_output[0] decoded, appended when streaming."""
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error if error else result))
+    outputs = [grpcclient.InferRequestedOutput("text_output")]
+    inputs = _end_to_end_client_inputs(prompt, MAX_TOKENS, streaming)
+    client.async_stream_infer("ensemble", inputs, outputs=outputs, request_id="")
+    client.stop_stream()
+    client.close()
+    text = ""
+    while not answers.empty():
+        answer = answers.get()
+        assert not isinstance(answer, Exception), answer
+        piece = answer.as_numpy("text_output")[0].decode("utf-8")
+        text = text + piece if streaming else piece
+    return text
+
+
+def test_tensorrtllm_backend_end_to_end_client_gets_greedy_text(
+    server: Server, unary_server: Server, transformers_greedy: dict[str, str]
+) -> None:
+    """Streaming, non-streaming (prompt echoed in front, tensorrtllm_backend's default) and unary infer on the unary
+    configuration: each equals transformers' greedy completion."""
+    for prompt in PROMPTS[:3]:
+        expected = transformers_greedy[prompt]
+        assert _end_to_end_client_text(server.grpc, prompt, streaming=True) == expected
+        assert _end_to_end_client_text(server.grpc, prompt, streaming=False) == prompt + expected
+        client = grpcclient.InferenceServerClient(unary_server.grpc)
+        result = client.infer("ensemble", _end_to_end_client_inputs(prompt, MAX_TOKENS, streaming=False))
+        assert result.as_numpy("text_output")[0].decode("utf-8") == prompt + expected
+        assert infer_text(unary_server.grpc, prompt, Request(MAX_TOKENS))["text"] == expected
+        assert http_generate(unary_server.http, prompt, Request(MAX_TOKENS))["text_output"] == expected
+
+
+def test_readme_curl_request_and_unary_streaming_refusal(
+    server: Server, unary_server: Server, transformers_greedy: dict[str, str]
+) -> None:
+    """tensorrtllm_backend README's generate request (empty bad_words/stop_words strings) on both configurations;
+    a streaming request to the unary configuration is refused with the fix."""
+    body = {"text_input": PROMPTS[0], "max_tokens": MAX_TOKENS, "bad_words": "", "stop_words": ""}
+    for base in (server.http, unary_server.http):
+        post = urllib.request.Request(f"{base}/v2/models/ensemble/generate", data=json.dumps(body).encode())
+        with urllib.request.urlopen(post, timeout=120) as response:
+            assert json.loads(response.read())["text_output"] == PROMPTS[0] + transformers_greedy[PROMPTS[0]]
+    with pytest.raises(ServerError, match="stream=true needs the decoupled ensemble.*dflash-serve --unary"):
+        list(stream_text(unary_server.grpc, PROMPTS[0], Request(MAX_TOKENS)))
+
+
+LONG = 200  # tokens a cancelled request asked for (max_seq_len 256)
+
+
+def _wait_free_slots(server: Server, count: int, seconds: float) -> float:
+    began = time.perf_counter()
+    while _metric(server, "dflash_free_slots") != count:
+        assert time.perf_counter() - began < seconds, f"free slots stayed at {_metric(server, 'dflash_free_slots')}"
+        time.sleep(0.005)
+    return time.perf_counter() - began
+
+
+def _long_ensemble_stream(url: str) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
+    """An ensemble stream asking for LONG tokens with no end token, once its first response has arrived."""
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    fields = {**Request(LONG, end_id=-1).fields(), "exclude_input_in_output": True}
+    client.async_stream_infer("ensemble", grpc_inputs("text_input", np.array([b"w3 w4"], dtype=object), fields))
+    answers.get(timeout=60)
+    return client, answers
+
+
+DISCONNECTING_CLIENT = """
+import os, sys
+from dflash_trt.client.triton_client import Request, stream_text
+for _ in stream_text(sys.argv[1], "w3 w4", Request({long}, end_id=-1)):
+    os._exit(0)  # gone mid-stream: no cancel, the connection just drops
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+def test_ensemble_stream_cancel_or_disconnect_frees_the_slot_within_a_step(server: Server, tiny_repo: Path, how: str) -> None:
+    """Triton does not pass a cancellation on to a model called by another; the ensemble front sends dflash a stop
+    request, so the sequence leaves the batch (slot freed, generation stopped) long before its LONG tokens."""
+    generated = _metric(server, "dflash_generated_tokens_total")
+    if how == "cancel":
+        client, _ = _long_ensemble_stream(server.grpc)
+        assert _metric(server, "dflash_free_slots") == 7
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    else:
+        script = DISCONNECTING_CLIENT.format(long=LONG)
+        subprocess.run([sys.executable, "-c", script, server.grpc], check=True, timeout=120)
+    _wait_free_slots(server, 8, seconds=5)
+    assert _metric(server, "dflash_generated_tokens_total") - generated < LONG / 2, "generation went on after the client left"
+    engine, _ = load_engine(tiny_repo)
+    began = time.perf_counter()
+    assert _final_stats(server, [9, 8, 7], Request(1))[0] == generate_plain(engine, [9, 8, 7], 1).tokens
+    assert time.perf_counter() - began < 5

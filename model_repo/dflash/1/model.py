@@ -5,6 +5,11 @@ owns the scheduler: between steps it takes in new requests, runs one batched ste
 sends each its verified tokens at once, and retires finished, stopped, failed and cancelled ones (slot freed).
 One request's error is that request's alone. Each response carries the new token ids and the text they
 complete (tokenizers' DecodeStream: never half a character).
+
+Requests follow tensorrtllm_backend's `tensorrt_llm` model: one sequence per request with a leading batch
+dimension of 1 ([1, N] input_ids, [1, 1] scalars), TensorRT-LLM's sampling conventions, and a stop request (the
+`stop` input set, with the request id of the request to stop) that cancels a request in flight; the `ensemble`
+front model cancels through it, since Triton does not pass a client's cancellation on to a model it calls.
 """
 
 from __future__ import annotations
@@ -36,6 +41,26 @@ def _scalar(request: object, name: str, default: object) -> object:
     return default if tensor is None else tensor.as_numpy().reshape(-1)[0].item()
 
 
+def _batch_row(request: object, name: str) -> np.ndarray:
+    """The one row of a [1, ...] input (a bare [...] is taken as that row); a missing input or batch > 1 is refused."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        raise RequestError(f"{name} is missing: a generation request needs input_ids and max_tokens")
+    array = tensor.as_numpy()
+    if array.ndim > 1 and array.shape[0] != 1:
+        raise RequestError(
+            f"{name} has batch size {array.shape[0]}: send one sequence per request (the server batches requests in flight)"
+        )
+    return array.reshape(-1)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop request: cancel every request in flight whose request id is `request_id`."""
+
+    request_id: str
+
+
 @dataclass
 class Client:
     """A request in flight: what it asked for, where its responses go, and how much of its output was sent."""
@@ -43,10 +68,12 @@ class Client:
     request: object
     sender: object
     sequence: Sequence
+    request_id: str
     streaming: bool
     text: TextStream
     arrived: float = field(default_factory=time.perf_counter)
-    sent: int = 0  # tokens sent so far
+    has_tokens: bool = False  # its first token was generated
+    unsent_tokens: list[int] = field(default_factory=list)
     unsent_text: str = ""
 
 
@@ -105,7 +132,7 @@ class TritonPythonModel:
         self.scheduler = Scheduler(self.engine, policy)
         self.metrics = Metrics()
         self.metrics.set("free_slots", self.engine.pool.free_slots)
-        self.inbox: queue.Queue[Client] = queue.Queue()
+        self.inbox: queue.Queue[Client | Stop] = queue.Queue()  # in arrival order: a stop never overtakes its request
         self.clients: dict[int, Client] = {}  # id(sequence) -> client
         self.running = True
         self.thread = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
@@ -115,6 +142,10 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                if _scalar(request, "stop", False):
+                    self.inbox.put(self._stop_request(request))
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 self.inbox.put(self._client(request, sender))
             except RequestError as error:
                 self._fail(sender, str(error))
@@ -128,22 +159,29 @@ class TritonPythonModel:
 
     # --- admission ---------------------------------------------------------------------------------------------
 
+    def _stop_request(self, request: object) -> Stop:
+        request_id = request.request_id()  # type: ignore[attr-defined]
+        if not request_id:
+            raise RequestError("a stop request needs the id of the request to stop: set its request_id")
+        return Stop(request_id)
+
     def _client(self, request: object, sender: object) -> Client:
-        prompt = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy().reshape(-1).tolist()
-        max_tokens = int(_scalar(request, "max_tokens", 0))  # type: ignore[call-overload]
-        sequence = Sequence(prompt, max_tokens, self._sampling(request), self._stop(request))
-        return Client(request, sender, sequence, bool(_scalar(request, "stream", False)), TextStream(self.tokenizer))
+        prompt = _batch_row(request, "input_ids").tolist()
+        max_tokens = int(_batch_row(request, "max_tokens")[0])
+        sequence = Sequence(prompt, max_tokens, self._sampling(request), self._stop_criteria(request))
+        streaming = bool(_scalar(request, "stream", False))
+        return Client(request, sender, sequence, request.request_id(), streaming, TextStream(self.tokenizer))  # type: ignore[attr-defined]
 
     def _sampling(self, request: object) -> SamplingParams:
-        seed = _scalar(request, "seed", None)
-        return SamplingParams(
-            temperature=float(_scalar(request, "temperature", 0.0)),  # type: ignore[arg-type]
-            top_k=int(_scalar(request, "top_k", 0)),  # type: ignore[call-overload]
-            top_p=float(_scalar(request, "top_p", 1.0)),  # type: ignore[arg-type]
+        seed = _scalar(request, "random_seed", None)
+        return SamplingParams.from_request(
+            temperature=_scalar(request, "temperature", None),  # type: ignore[arg-type]
+            top_k=_scalar(request, "top_k", None),  # type: ignore[arg-type]
+            top_p=_scalar(request, "top_p", None),  # type: ignore[arg-type]
             seed=None if seed is None else int(seed),  # type: ignore[call-overload]
         )
 
-    def _stop(self, request: object) -> StopCriteria:
+    def _stop_criteria(self, request: object) -> StopCriteria:
         end_id = _scalar(request, "end_id", None)
         words = pb_utils.get_input_tensor_by_name(request, "stop_words")
         stop_strings = (
@@ -159,62 +197,83 @@ class TritonPythonModel:
     def _serve(self) -> None:
         while self.running:
             self._take_new(block=not self.scheduler.busy)
-            if not self.scheduler.busy:
-                continue
             self._drop_cancelled()
-            try:
-                began = time.perf_counter()
-                emitted = self.scheduler.step()
-                self._record_step(time.perf_counter() - began)
-            except Exception as error:  # an engine failure fails the batch it hit, never the server
-                self._fail_all(error)
+            if self.scheduler.busy:
+                self._step()
+            self._record_state()
+
+    def _step(self) -> None:
+        try:
+            began = time.perf_counter()
+            emitted = self.scheduler.step()
+            self._record_step(time.perf_counter() - began)
+        except Exception as error:  # an engine failure fails the batch it hit, never the server
+            self._fail_all(error)
+            return
+        for sequence, tokens in emitted:
+            client = self.clients.get(id(sequence))
+            if client is None:
                 continue
-            for sequence, tokens in emitted:
-                client = self.clients.get(id(sequence))
-                if client is None:
-                    continue
-                try:
-                    self._deliver(client, tokens)
-                except Exception as error:  # a response that cannot be sent ends that request alone
-                    pb_utils.Logger.log_error(f"dflash: could not send to a client: {error!r}; its request is dropped")
-                    self.scheduler.cancel(sequence)
-                    self.clients.pop(id(sequence), None)
+            try:
+                self._deliver(client, tokens)
+            except Exception as error:  # a response that cannot be sent ends that request alone
+                pb_utils.Logger.log_error(f"dflash: could not send to a client: {error!r}; its request is dropped")
+                self.scheduler.cancel(sequence)
+                self.clients.pop(id(sequence), None)
 
     def _take_new(self, block: bool) -> None:
         try:
-            client = self.inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=IDLE_WAIT_SECONDS) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
+            if isinstance(item, Stop):
+                for client in [c for c in self.clients.values() if c.request_id == item.request_id]:
+                    self._end_stopped(client)
+            else:
+                try:
+                    self.scheduler.submit(item.sequence)
+                    self.clients[id(item.sequence)] = item
+                except RequestError as error:
+                    self._fail(item.sender, str(error))
             try:
-                self.scheduler.submit(client.sequence)
-                self.clients[id(client.sequence)] = client
-            except RequestError as error:
-                self._fail(client.sender, str(error))
-            try:
-                client = self.inbox.get_nowait()
+                item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _drop_cancelled(self) -> None:
         for client in list(self.clients.values()):
             if client.request.is_cancelled():  # type: ignore[attr-defined]
-                self.scheduler.cancel(client.sequence)
-                self._finish(client)
-                error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
-                final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-                client.sender.send(pb_utils.InferenceResponse(error=error), flags=final)  # type: ignore[attr-defined]
+                self._cancel(client)
+
+    def _cancel(self, client: Client) -> None:
+        """The client cancelled or left: the sequence leaves now and the request ends with a CANCELLED error."""
+        self.scheduler.cancel(client.sequence)
+        self._finish(client)
+        error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+        client.sender.send(pb_utils.InferenceResponse(error=error), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
+
+    def _end_stopped(self, client: Client) -> None:
+        """A stop request named it: the sequence leaves now and the request ends with a final response carrying
+        what was generated and not yet sent (as TensorRT-LLM answers a stopped request; a model calling through BLS
+        also only ever sees a final response that is not an error)."""
+        self.scheduler.cancel(client.sequence)
+        self._finish(client)
+        response = self._response(client.unsent_tokens, client.unsent_text, client.sequence)
+        client.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
 
     def _deliver(self, client: Client, new: list[int]) -> None:
         """Send what is ready: each step's tokens and text when streaming, everything at the end otherwise."""
         sequence = client.sequence
-        if len(sequence.tokens) == len(new) and new:
+        if new and not client.has_tokens:
             self.metrics.observe("queue_seconds", time.perf_counter() - client.arrived)
+            client.has_tokens = True
+        client.unsent_tokens += new
         client.unsent_text += client.text.push(new)
-        if not (sequence.finished or (client.streaming and new)):
+        if not (sequence.finished or (client.streaming and client.unsent_tokens)):
             return
-        response = self._response(sequence.tokens[client.sent :], client.unsent_text, sequence)
-        client.sent, client.unsent_text = len(sequence.tokens), ""
+        response = self._response(client.unsent_tokens, client.unsent_text, sequence)
+        client.unsent_tokens, client.unsent_text = [], ""
         if sequence.finished:
             self._finish(client)
             client.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
@@ -228,10 +287,12 @@ class TritonPythonModel:
         self.metrics.add("accepted", stats.accepted_draft_tokens)
         self.metrics.add("tokens", len(client.sequence.tokens))
 
-    def _record_step(self, seconds: float) -> None:
+    def _record_state(self) -> None:
         self.metrics.set("active", len(self.scheduler.active))
         self.metrics.set("waiting", len(self.scheduler.waiting) + self.inbox.qsize())
         self.metrics.set("free_slots", self.engine.pool.free_slots)
+
+    def _record_step(self, seconds: float) -> None:
         if self.scheduler.last_batch:
             self.metrics.add("steps", 1)
             self.metrics.set("verify_width", self.scheduler.last_width)
@@ -240,14 +301,14 @@ class TritonPythonModel:
 
     def _response(self, new: list[int], text: str, sequence: Sequence) -> object:
         stats = sequence.stats
-        tensors = [
-            pb_utils.Tensor("output_ids", np.asarray(new, dtype=np.int64)),
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object)),
-            pb_utils.Tensor("total_draft_tokens", np.asarray([stats.draft_tokens], dtype=np.int64)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([stats.accepted_draft_tokens], dtype=np.int64)),
-            pb_utils.Tensor("acceptance_rate", np.asarray([stats.acceptance_rate], dtype=np.float32)),
-            pb_utils.Tensor("total_steps", np.asarray([stats.steps], dtype=np.int64)),
-            pb_utils.Tensor("total_output_tokens", np.asarray([len(sequence.tokens)], dtype=np.int64)),
+        tensors = [  # each [1, ...]: the request's one batch row
+            pb_utils.Tensor("output_ids", np.asarray([new], dtype=np.int64)),
+            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
+            pb_utils.Tensor("total_draft_tokens", np.asarray([[stats.draft_tokens]], dtype=np.int64)),
+            pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([[stats.accepted_draft_tokens]], dtype=np.int64)),
+            pb_utils.Tensor("acceptance_rate", np.asarray([[stats.acceptance_rate]], dtype=np.float32)),
+            pb_utils.Tensor("total_steps", np.asarray([[stats.steps]], dtype=np.int64)),
+            pb_utils.Tensor("total_output_tokens", np.asarray([[len(sequence.tokens)]], dtype=np.int64)),
         ]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 

@@ -1,0 +1,239 @@
+"""Triton Python model `ensemble`: tensorrtllm_backend's text interface in front of the token-level `dflash` model.
+
+`execute` checks each request, tokenizes its prompt (chat template per the build) and hands it to a thread that
+runs it on `dflash` through BLS and forwards what comes back: each step's text when streaming, the whole text at
+the end otherwise (with the prompt in front unless `exclude_input_in_output`, as tensorrtllm_backend does).
+A watcher thread sees a client's cancellation or disconnect and sends `dflash` a stop request for that request's
+id, which frees its slot before the next step: Triton does not pass cancellation on to models called from a model
+or from a Triton ensemble, which is why this front is a model. The same code serves the decoupled configuration
+(streaming) and the unary one (`configs/unary.pbtxt`: one response per request, so `infer` works).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from dflash_trt.runtime.prompts import encode_prompt
+from dflash_trt.runtime.sampling import RequestError
+from transformers import AutoTokenizer
+
+WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
+FORWARDED = ("max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id", "stop_words")
+STATS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
+# tensorrtllm_backend inputs this model accepts only at their neutral value: input -> (allowed values, why not).
+NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
+    "beam_width": ((1,), "beam search is not supported (DFlash verifies one sequence per request); use 1"),
+    "num_return_sequences": ((1,), "send one request per sequence wanted (they are batched on the server)"),
+    "repetition_penalty": ((1.0,), "penalties are not supported; use 1.0"),
+    "presence_penalty": ((0.0,), "penalties are not supported; use 0.0"),
+    "frequency_penalty": ((0.0,), "penalties are not supported; use 0.0"),
+    "min_length": ((0, 1), "a minimum length is not supported; use 0 or 1"),
+    "return_log_probs": ((False,), "log probabilities are not returned; use false"),
+    "return_context_logits": ((False,), "logits are not returned; use false"),
+    "return_generation_logits": ((False,), "logits are not returned; use false"),
+    "num_draft_tokens": ((0,), "DFlash drafts inside the engine (block size fixed at build, verify length chosen by load)"),
+    "use_draft_logits": ((False,), "DFlash drafts inside the engine; use false"),
+    "lora_task_id": ((), "LoRA adapters are not supported"),
+    "guided_decoding_guide_type": ((), "guided decoding is not supported"),
+    "guided_decoding_guide": ((), "guided decoding is not supported"),
+}
+EMPTY_LISTS = {
+    "bad_words": "bad words are not supported",
+    "embedding_bias_words": "embedding bias is not supported",
+    "embedding_bias_weights": "embedding bias is not supported",
+}
+
+
+def _input(request: object, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _scalar(request: object, name: str, default: object) -> object:
+    array = _input(request, name)
+    return default if array is None else array.reshape(-1)[0].item()
+
+
+def _check_neutral(request: object) -> None:
+    for name, (allowed, reason) in NEUTRAL.items():
+        value = _scalar(request, name, None)
+        if value is not None and value not in allowed:
+            raise RequestError(f"{name}={value!r} is not supported: {reason}")
+    for name, reason in EMPTY_LISTS.items():
+        array = _input(request, name)
+        if array is not None and any(v not in (b"", "") for v in array.reshape(-1)):
+            raise RequestError(f"{name} is not supported: {reason}; leave it out")
+
+
+def _prompt_text(request: object) -> str:
+    array = _input(request, "text_input")
+    assert array is not None  # a required input: Triton refuses a request without it
+    if array.ndim > 1 and array.shape[0] != 1:
+        raise RequestError(
+            f"text_input has batch size {array.shape[0]}: send one prompt per request (the server batches requests in "
+            "flight); tensorrtllm_backend's --batch-inputs is not supported"
+        )
+    value = array.reshape(-1)[0]
+    text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    if not text:
+        raise RequestError("text_input is empty: send at least one character of prompt")
+    return text
+
+
+@dataclass
+class Job:
+    """One client request on its way through `dflash`."""
+
+    request: object
+    sender: object
+    key: str  # the request id of its `dflash` request, which a stop request names
+    streaming: bool
+    echo: str  # text sent before the completion (the prompt, in non-streaming mode unless excluded)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: bool = False
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        config = json.loads(args["model_config"])
+        params = config["parameters"]
+        root = Path(args["model_repository"]).parent
+        self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
+        self.chat = params["apply_chat_template"]["string_value"] == "true"
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
+        self.ids = (f"ensemble-{os.getpid()}-{n}" for n in itertools.count())
+        self.jobs: dict[str, Job] = {}
+        self.jobs_lock = threading.Lock()
+        self.running = True
+        self.watcher = threading.Thread(target=self._watch, name="ensemble-cancel-watcher", daemon=True)
+        self.watcher.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                job, call = self._job(request, sender)
+            except RequestError as error:
+                refusal = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error)))
+                sender.send(refusal, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            with self.jobs_lock:
+                self.jobs[job.key] = job
+            threading.Thread(target=self._run, args=(job, call), name=job.key, daemon=True).start()
+        return None
+
+    def finalize(self) -> None:
+        self.running = False
+        self.watcher.join(timeout=5)
+
+    # --- admission ---------------------------------------------------------------------------------------------
+
+    def _job(self, request: object, sender: object) -> tuple[Job, object]:
+        _check_neutral(request)
+        streaming = bool(_scalar(request, "stream", False))
+        if streaming and not self.decoupled:
+            raise RequestError(
+                "stream=true needs the decoupled ensemble: this server runs the unary configuration "
+                "(dflash-serve --unary); send stream=false, or serve without --unary to stream"
+            )
+        text = _prompt_text(request)
+        ids = encode_prompt(self.tokenizer, text, chat=self.chat)
+        echo = "" if streaming or _scalar(request, "exclude_input_in_output", False) else text
+        job = Job(request, sender, next(self.ids), streaming, echo)
+        inputs = [pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int64))]
+        inputs.append(pb_utils.Tensor("stream", np.array([[True]])))  # step by step, so a stop is seen at once
+        for name in FORWARDED:
+            array = _input(request, name)
+            if array is not None:
+                inputs.append(pb_utils.Tensor(name, array.reshape(1, -1)))
+        call = pb_utils.InferenceRequest(
+            model_name="dflash", inputs=inputs, requested_output_names=["text_output", *STATS], request_id=job.key
+        )
+        return job, call
+
+    # --- one request's thread ----------------------------------------------------------------------------------
+
+    def _run(self, job: Job, call: object) -> None:
+        pieces: list[str] = [job.echo]
+        stats: list[object] = []
+        try:
+            for response in call.exec(decoupled=True):  # type: ignore[attr-defined]
+                if response.has_error():
+                    self._end(job, pb_utils.InferenceResponse(error=response.error()))
+                    return
+                text = pb_utils.get_output_tensor_by_name(response, "text_output")
+                if text is None:  # an empty final response
+                    continue
+                piece = b"".join(text.as_numpy().reshape(-1)).decode("utf-8")
+                stats = [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in STATS]
+                if job.streaming:
+                    self._send(job, self._response(piece, stats))
+                else:
+                    pieces.append(piece)
+            if job.streaming:
+                self._end(job, None)
+            else:
+                self._end(job, self._response("".join(pieces), stats))
+        except Exception as error:  # this request ends with the error; the model and other requests go on
+            pb_utils.Logger.log_error(f"ensemble: internal error: {error!r}\n{traceback.format_exc()}")
+            message = f"ensemble: internal error: {error!r} (logged on the server)"
+            self._end(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
+        finally:
+            with self.jobs_lock:
+                self.jobs.pop(job.key, None)
+
+    def _response(self, text: str, stats: list[object]) -> object:
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]  # [1], as tensorrtllm_backend
+        tensors += [pb_utils.Tensor(name, np.asarray(value).reshape(1, 1)) for name, value in zip(STATS, stats, strict=True)]
+        return pb_utils.InferenceResponse(output_tensors=tensors)
+
+    def _send(self, job: Job, response: object) -> None:
+        with job.lock:
+            if not job.finished:
+                job.sender.send(response)  # type: ignore[attr-defined]
+
+    def _end(self, job: Job, response: object | None) -> None:
+        """The request's last response (or only the final flag); a request already ended (cancelled) gets nothing."""
+        with job.lock:
+            if job.finished:
+                return
+            job.finished = True
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            if response is None:
+                job.sender.send(flags=final)  # type: ignore[attr-defined]
+            else:
+                job.sender.send(response, flags=final)  # type: ignore[attr-defined]
+
+    # --- cancellation ------------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        while self.running:
+            with self.jobs_lock:
+                jobs = list(self.jobs.values())
+            for job in jobs:
+                if not job.finished and job.request.is_cancelled():  # type: ignore[attr-defined]
+                    self._stop(job.key)
+                    error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
+                    self._end(job, pb_utils.InferenceResponse(error=error))
+            time.sleep(WATCH_SECONDS)
+
+    def _stop(self, key: str) -> None:
+        """Ask `dflash` to cancel the request with id `key` (it frees the slot before its next step)."""
+        stop = pb_utils.InferenceRequest(
+            model_name="dflash",
+            inputs=[pb_utils.Tensor("stop", np.array([[True]]))],
+            requested_output_names=["output_ids"],
+            request_id=key,
+        )
+        for response in stop.exec(decoupled=True):
+            if response.has_error():
+                pb_utils.Logger.log_warn(f"ensemble: stopping {key} failed: {response.error().message()}")

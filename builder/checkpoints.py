@@ -16,13 +16,43 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
+NOT_YET_SUPPORTED = {
+    "qwen3_5_moe": "its mixture-of-experts MLP (router, experts and shared expert) is not built yet; its Gated DeltaNet "
+    "and attention layers are those of qwen3_5",
+    "qwen3_next": "its fused in_proj_qkvz/in_proj_ba projections and mixture-of-experts MLP are not built yet",
+}
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention
+SKIPPED_WEIGHTS = ("visual.", "mtp.")  # a qwen3_5 checkpoint's vision tower and multi-token-prediction head
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed, unsupported, or does not fit its partner."""
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid target."""
+
+    num_key_heads: int  # Hk
+    num_value_heads: int  # Hv (a multiple of Hk)
+    key_head_dim: int  # dk
+    value_head_dim: int  # dv
+    conv_kernel: int  # K
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -49,6 +79,20 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
+    # Hybrid targets (qwen3_5): which token mixer each layer has, and what differs from Llama/Qwen3.
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "linear_attention" per layer; () = all full attention
+    linear: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims only
+    gated_attention: bool = False  # q_proj also yields a per-head output gate: o_proj(attn * sigmoid(gate))
+    zero_centered_norms: bool = False  # RMSNorms scale by (1 + w), computed in fp32
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -133,8 +177,53 @@ def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype:
     return dtypes[name]
 
 
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A qwen3_5 checkpoint as published is the vision-language wrapper: its language model's config is nested in
+    `text_config`; fields it leaves out (dtype, tied embeddings, token ids) come from the wrapper."""
+    if raw.get("model_type") != "qwen3_5" or "text_config" not in raw:
+        return raw
+    text = dict(raw["text_config"])
+    for name in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if text.get(name) is None and raw.get(name) is not None:
+            text[name] = raw[name]
+    return {**text, "model_type": "qwen3_5"}
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
+    """qwen3_5: `layer_types`, else every `full_attention_interval`-th layer (default 4) is full attention."""
+    interval = int(raw.get("full_attention_interval", 4))
+    types = raw.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if len(types) != num_layers or unknown:
+        raise CheckpointError(
+            f"{where}: layer_types must list linear_attention/full_attention for each of the {num_layers} layers "
+            f"(got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''})"
+        )
+    return tuple(types)
+
+
+def _hybrid_fields(raw: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+    rope = raw.get("rope_parameters") or {}
+    return {
+        "layer_types": _layer_types(raw, num_layers, where),
+        "linear": LinearAttentionConfig(
+            num_key_heads=int(raw["linear_num_key_heads"]),
+            num_value_heads=int(raw["linear_num_value_heads"]),
+            key_head_dim=int(raw["linear_key_head_dim"]),
+            value_head_dim=int(raw["linear_value_head_dim"]),
+            conv_kernel=int(raw.get("linear_conv_kernel_dim", 4)),
+        ),
+        "partial_rotary_factor": float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))),
+        "gated_attention": True,
+        "zero_centered_norms": True,
+    }
+
+
 def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetConfig:
     model_type = raw.get("model_type")
+    if model_type in NOT_YET_SUPPORTED:
+        raise CheckpointError(f"{where}: model_type {model_type!r} is not supported yet: {NOT_YET_SUPPORTED[model_type]}")
+    raw = _text_config(raw)
     if model_type not in SUPPORTED_TARGET_TYPES:
         raise CheckpointError(
             f"{where}: model_type {model_type!r} is not supported as a target; supported: {', '.join(SUPPORTED_TARGET_TYPES)}"
@@ -144,6 +233,7 @@ def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetCon
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     attention_bias = bool(raw.get("attention_bias", False))
+    hybrid = _hybrid_fields(raw, int(raw["num_hidden_layers"]), where) if model_type in HYBRID_TYPES else {}
     return TargetConfig(
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
@@ -160,11 +250,12 @@ def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetCon
         qkv_bias=True if model_type == "qwen2" else attention_bias,
         o_bias=False if model_type == "qwen2" else attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", *HYBRID_TYPES),
         hidden_act=str(raw.get("hidden_act", "silu")),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
         dtype=checkpoint_dtype(raw),
+        **hybrid,
     )
 
 
@@ -269,5 +360,7 @@ def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         for name, tensor in load_file(str(path)).items():
-            state[name.removeprefix("model.")] = tensor
+            name = name.removeprefix("model.").removeprefix("language_model.")  # qwen3_5: model.language_model.*
+            if not name.startswith(SKIPPED_WEIGHTS):
+                state[name] = tensor
     return state

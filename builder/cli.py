@@ -8,12 +8,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from dflash_trt.builder.checkpoints import CheckpointError
-from dflash_trt.builder.drafter_init import untrained_drafter_dir
+from dflash_trt.builder.checkpoints import (
+    CheckpointError,
+    DrafterConfig,
+    TargetConfig,
+    check_pair,
+    parse_drafter_config,
+    parse_target_config,
+)
+from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
 from dflash_trt.builder.export import export_engines_onnx
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
-from dflash_trt.builder.models import ALIASES, resolve_pair
+from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
+from dflash_trt.builder.plan import describe, memory_plan, parse_bytes
 from dflash_trt.builder.repository import (
     ENGINE_DIR,
     TOKENIZER_DIR,
@@ -56,9 +64,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
-    parser.add_argument("--output", required=True, type=Path, help="model repository directory to write")
+    parser.add_argument("--output", type=Path, help="model repository directory to write")
     parser.add_argument("--force", action="store_true", help="replace --output if it exists")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print what the pair costs (weights, state per token and per sequence) from its configs alone, build nothing",
+    )
+    parser.add_argument("--gpu-memory", help="with --plan: how many sequences of --max-seq-len fit in this much (e.g. 141GB)")
+    args = parser.parse_args(argv)
+    if args.output is None and not args.plan:
+        parser.error("--output is required (or pass --plan to print the memory plan without building)")
+    return args
+
+
+def _configs(args: argparse.Namespace) -> tuple[TargetConfig, DrafterConfig | None]:
+    """Both configs, read before any weight is fetched; the pair is checked when a drafter is named."""
+    target_raw, drafter_raw = pair_configs(args.model, args.drafter)
+    target = parse_target_config(target_raw, where=args.model)
+    if drafter_raw is None:
+        return target, None
+    drafter = parse_drafter_config(drafter_raw, where=args.drafter or f"{args.model}'s drafter")
+    check_pair(target, drafter)
+    return target, drafter
+
+
+def print_plan(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None) -> None:
+    drafter = drafter or parse_drafter_config(drafter_config_dict(target, mask_token_id=0))  # an untrained one
+    block = args.block_size or drafter.block_size
+    dtype = args.dtype if args.dtype != "auto" else str(target.dtype).removeprefix("torch.")
+    memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    plan = memory_plan(target, drafter, dtype, args.max_seq_len, block)
+    print(f"[dflash-build] plan for {args.model} (block {block}, --max-seq-len {args.max_seq_len}):")
+    print(describe(plan, dtype, args.max_seq_len, memory))
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
@@ -72,10 +110,21 @@ def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int)
         )
 
 
-def build(args: argparse.Namespace) -> Path:
+def build(args: argparse.Namespace) -> Path | None:
+    """Build the repository (None with --plan: the plan is printed, nothing is written or downloaded)."""
+    target_config, drafter_config = _configs(args)
+    if args.plan:
+        print_plan(args, target_config, drafter_config)
+        return None
     backend = choose_backend(args.backend)
     if backend == "tensorrt":
         require_tensorrt()
+    if target_config.linear is not None:
+        raise CheckpointError(
+            f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) run on the torch reference engine "
+            "so far (dflash_trt.builder.graphs.torch_engine); their ONNX Runtime and TensorRT export (the "
+            "dflash::GatedDeltaRule and dflash::CausalConv1d ops) is not built yet"
+        )
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
     if drafter_dir is None:
         print(

@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import torch
 from dflash_trt.builder.layers import write_rows
-from dflash_trt.builder.networks import DrafterNetwork, PooledPast, StackedPast, TargetNetwork, draft_logits
+from dflash_trt.builder.networks import (
+    DrafterNetwork,
+    PooledPast,
+    RecurrentState,
+    StackedPast,
+    TargetNetwork,
+    TargetOutput,
+    draft_logits,
+)
 from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.sampling import accepted_prefix_length, sample_tokens
-from dflash_trt.runtime.states import attention_states
+from dflash_trt.runtime.states import attention_states, gated_deltanet_states
 from torch import nn
 
 Outputs = tuple[torch.Tensor, ...]
@@ -28,14 +36,19 @@ Outputs = tuple[torch.Tensor, ...]
 def engine_spec(
     target: TargetNetwork, drafter: DrafterNetwork, block_size: int, max_seq_len: int, max_batch_size: int
 ) -> EngineSpec:
-    """The engine description of a loaded pair: sizes and its states (attention K/V of the target, draft context)."""
+    """The engine description of a loaded pair: sizes and its states (attention K/V of the target, draft context,
+    and for hybrid targets the Gated DeltaNet state and conv window; recurrent states last)."""
     t, d = target.config, drafter.config
     dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
     positions = max_seq_len + block_size  # a verify block may write up to block_size - 1 rows past the last token
     states = (
-        *attention_states("target", t.num_layers, positions, t.num_kv_heads, t.head_dim, dtype),
+        *attention_states("target", len(t.attention_layers), positions, t.num_kv_heads, t.head_dim, dtype),
         *attention_states("draft", d.num_layers, positions, d.num_kv_heads, d.head_dim, dtype),
     )
+    if t.linear is not None:
+        g = t.linear
+        shape = (g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel, g.conv_dim)
+        states += gated_deltanet_states("target", len(t.linear_layers), *shape, dtype)
     return EngineSpec(block_size, max_seq_len, max_batch_size, t.vocab_size, d.mask_token_id, dtype, states)
 
 
@@ -47,6 +60,7 @@ class DFlashGraphs(nn.Module):
         self.target, self.drafter, self.block_size = target, drafter, block_size
         self.positions = positions  # T: rows per sequence of the positional states (max_seq_len + block_size)
         self.mask_token_id = drafter.config.mask_token_id
+        self.rollback = True  # False keeps the recurrent state of the whole block: only to show, in tests, why not
 
     def draft_block(
         self, first_token: torch.Tensor, start: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, drafts: int
@@ -84,7 +98,7 @@ class DFlashGraphs(nn.Module):
         first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D]
         next_block = self.draft_block(first, torch.full_like(first, length), ctx_k, ctx_v, self.block_size - 1)
-        return first, next_block, out.k, out.v, ctx_k, ctx_v
+        return first, next_block, out.k, out.v, ctx_k, ctx_v, *(out.recurrent or ())
 
     def step(
         self,
@@ -103,12 +117,14 @@ class DFlashGraphs(nn.Module):
         target_v: torch.Tensor,
         draft_k: torch.Tensor,
         draft_v: torch.Tensor,
+        target_ssm: torch.Tensor | None = None,
+        target_conv: torch.Tensor | None = None,
     ) -> Outputs:
-        """block: [B, V] at positions start..start+V-1; uniforms: [B, V]; states: the pool [L, N, T, Hkv, D];
-        draft_slots: [K] -> next_block [B, 1 + K]."""
+        """block: [B, V] at positions start..start+V-1; uniforms: [B, V]; states: the pool, flat; draft_slots: [K]
+        -> next_block [B, 1 + K]."""
         sampling = (temperature, top_k, top_p, sampled_rows, candidate_slots)
         tokens, accept_len, next_start, target_rows, ctx_rows = self._verify(
-            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
+            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v, target_ssm, target_conv
         )
         # The drafter sees its context rows up to next_start: the pool's rows < start, then this block's accepted ones.
         past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked()  # [Ld, B, R, Hkv, D]
@@ -117,7 +133,7 @@ class DFlashGraphs(nn.Module):
         ctx_v = write_rows(past.v, ctx_rows[1], positions)
         bonus = tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
         next_block = self.draft_block(bonus, next_start, ctx_k, ctx_v, draft_slots.shape[0])
-        return tokens, accept_len, next_block, next_start, *target_rows, *ctx_rows
+        return tokens, accept_len, next_block, next_start, *target_rows[:2], *ctx_rows, *target_rows[2:]
 
     def verify(
         self,
@@ -133,14 +149,16 @@ class DFlashGraphs(nn.Module):
         candidate_slots: torch.Tensor,
         target_k: torch.Tensor,
         target_v: torch.Tensor,
+        target_ssm: torch.Tensor | None = None,
+        target_conv: torch.Tensor | None = None,
     ) -> Outputs:
         """The step without drafting: next_block is the bonus token [B, 1]; the draft context still grows."""
         sampling = (temperature, top_k, top_p, sampled_rows, candidate_slots)
         tokens, accept_len, next_start, target_rows, ctx_rows = self._verify(
-            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v
+            block, start, slots, visible_rows, uniforms, sampling, target_k, target_v, target_ssm, target_conv
         )
         bonus = tokens.gather(1, accept_len[:, None])  # [B, 1]
-        return tokens, accept_len, bonus, next_start, *target_rows, *ctx_rows
+        return tokens, accept_len, bonus, next_start, *target_rows[:2], *ctx_rows, *target_rows[2:]
 
     def decode(
         self,
@@ -156,14 +174,17 @@ class DFlashGraphs(nn.Module):
         candidate_slots: torch.Tensor,
         target_k: torch.Tensor,
         target_v: torch.Tensor,
+        target_ssm: torch.Tensor | None = None,
+        target_conv: torch.Tensor | None = None,
     ) -> Outputs:
         """Plain decoding (block [B, 1] in practice): the target alone, no taps."""
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
-        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows))
+        before = self._pooled_recurrent(target_ssm, target_conv, slots)
+        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows), recurrent=before)
         tokens = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)
         accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
         bonus = tokens.gather(1, accept_len[:, None])  # [B, 1]
-        return tokens, accept_len, bonus, start + accept_len + 1, out.k, out.v
+        return tokens, accept_len, bonus, start + accept_len + 1, out.k, out.v, *self._committed(before, out, accept_len)
 
     def _verify(
         self,
@@ -175,27 +196,54 @@ class DFlashGraphs(nn.Module):
         sampling: tuple[torch.Tensor, ...],
         target_k: torch.Tensor,
         target_v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-        """Verify, sample every slot, accept, tap: (tokens [B, V], accept_len [B], next_start [B], target rows, ctx rows)."""
+        target_ssm: torch.Tensor | None,
+        target_conv: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """Verify, sample every slot, accept, tap: (tokens [B, V], accept_len [B], next_start [B], target rows (K, V,
+        then for hybrid targets the committed recurrent state and window), ctx rows)."""
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
-        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows))
+        before = self._pooled_recurrent(target_ssm, target_conv, slots)
+        out = self.target(block, positions, self._pooled("target", target_k, target_v, slots, visible_rows), recurrent=before)
         tokens = sample_tokens(out.logits, uniforms, *sampling)  # [B, V]
         accept_len = accepted_prefix_length(block[:, 1:], tokens)  # [B]
         # Tap every slot; rows past the accepted ones are invisible (>= next_start) and get overwritten later.
         ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, V, Hkv, D]
-        return tokens, accept_len, start + accept_len + 1, (out.k, out.v), (ctx_k, ctx_v)
+        target_rows = (out.k, out.v, *self._committed(before, out, accept_len))
+        return tokens, accept_len, start + accept_len + 1, target_rows, (ctx_k, ctx_v)
+
+    def _committed(self, before: RecurrentState | None, out: TargetOutput, accept_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Hybrid targets: the Gated DeltaNet state and window after the accept_len + 1 committed tokens (rolled back
+        from the block's tapes inside the graph); () for targets without recurrent layers."""
+        if before is None or out.recurrent is None:
+            return ()
+        if not self.rollback:
+            return tuple(out.recurrent)
+        return tuple(self.target.commit_recurrent(before, out.tapes, accept_len + 1))
+
+    def _pooled_recurrent(
+        self, ssm: torch.Tensor | None, conv: torch.Tensor | None, slots: torch.Tensor
+    ) -> RecurrentState | None:
+        """The recurrent states of these slots from the pool (flat [Lg * N, *shape]) -> [Lg, B, *shape] each."""
+        if ssm is None or conv is None:
+            return None
+        layers = len(self.target.config.linear_layers)
+        index = (torch.arange(layers, device=slots.device)[:, None] * (ssm.shape[0] // layers) + slots[None, :]).reshape(-1)
+        return RecurrentState(
+            ssm.index_select(0, index).unflatten(0, (layers, -1)), conv.index_select(0, index).unflatten(0, (layers, -1))
+        )
 
     def _pooled(
         self, owner: str, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, visible_rows: torch.Tensor
     ) -> PooledPast:
         """The pool of the target's or the drafter's K/V (flat [L * N * T, Hkv, D]) read for these slots."""
-        layers = self.target.config.num_layers if owner == "target" else self.drafter.config.num_layers
+        layers = len(self.target.config.attention_layers) if owner == "target" else self.drafter.config.num_layers
         return PooledPast(k_pool, v_pool, layers, self.positions, slots, visible_rows.shape[0])
 
     def _no_past(self, batch: int, device: torch.device) -> StackedPast:
         c = self.target.config
+        layers = len(c.attention_layers)
         empty = torch.zeros(
-            c.num_layers, batch, 0, c.num_kv_heads, c.head_dim, dtype=self.target.embed_tokens.weight.dtype, device=device
+            layers, batch, 0, c.num_kv_heads, c.head_dim, dtype=self.target.embed_tokens.weight.dtype, device=device
         )
         return StackedPast(empty, empty)
 

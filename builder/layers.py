@@ -26,6 +26,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + w), all in fp32 and cast at the end (Qwen3.5: the weight is stored centred on 0)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     input_dtype = x.dtype
     x32 = x.to(torch.float32)
@@ -74,7 +88,10 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, S, H, D]; cos, sin: [B, S, D]
+    # x: [B, S, H, D]; cos, sin: [B, S, Dr] with Dr <= D: partial rotary turns the first Dr dims only
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dflash_trt.builder.checkpoints import CheckpointError
+from dflash_trt.builder.checkpoints import CheckpointError, read_config_json
 from dflash_trt.builder.embedded import EMBEDDED_TARGET, embedded_target_dir
 
 
@@ -19,6 +21,7 @@ class ModelAlias:
 
 ALIASES = {
     "qwen3.5-27b": ModelAlias("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
+    "qwen3.5-4b": ModelAlias("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash"),
     "qwen3-8b": ModelAlias("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
     "qwen3-4b": ModelAlias("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
     "llama-3.1-8b": ModelAlias("meta-llama/Llama-3.1-8B-Instruct", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"),
@@ -30,6 +33,55 @@ EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-
 
 def _looks_like_hub_id(spec: str) -> bool:
     return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+
+
+def _hub_config(repo_id: str) -> dict[str, Any] | None:
+    """config.json of a hub checkpoint (nothing else is fetched), or None when offline and not cached."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return dict(json.loads(Path(hf_hub_download(repo_id, "config.json", local_files_only=True)).read_text()))
+    except LocalEntryNotFoundError:
+        if _hub_offline():
+            return None
+    return dict(json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text()))
+
+
+def pair_configs(model: str, drafter: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The config.json of --model and of its drafter (None: no drafter named), read before any weight is fetched,
+    so that an unsupported or unavailable pair is refused before a download of tens of gigabytes."""
+    alias = ALIASES.get(model.lower())
+    specs = (alias.target if alias else model, drafter or (alias.drafter if alias else None))
+    configs: list[dict[str, Any] | None] = []
+    missing: list[str] = []
+    for spec in specs:
+        if spec is None:
+            configs.append(None)
+        elif Path(spec).expanduser().is_dir():
+            configs.append(read_config_json(Path(spec).expanduser()))
+        elif spec == EMBEDDED_TARGET:
+            configs.append(read_config_json(embedded_target_dir()))
+        elif _looks_like_hub_id(spec):
+            configs.append(_hub_config(spec))
+            if configs[-1] is None:
+                missing.append(spec)
+        else:
+            resolve_checkpoint(spec)  # raises the error that names what a --model may be
+    if missing:
+        named = " and ".join(s for s in specs if s)
+        raise CheckpointError(
+            f"{model!r} needs {named}; {', '.join(missing)} not in the local Hugging Face cache and HF_HUB_OFFLINE is set. "
+            "On a machine with hub access run `hf download ORG/NAME --local-dir DIR` for each, copy them here, and "
+            "build with --model TARGET_DIR --drafter DRAFTER_DIR"
+        )
+    target_config = configs[0]
+    assert target_config is not None
+    return target_config, configs[1]
 
 
 def fetch_from_hub(repo_id: str) -> Path:

@@ -24,9 +24,11 @@ from dflash_trt.builder.checkpoints import (
     parse_target_config,
     read_config_json,
 )
+from dflash_trt.builder.gated_deltanet import GatedDeltaNet, GDNTape, commit_state, commit_window
 from dflash_trt.builder.layers import (
     GatedMLP,
     RMSNorm,
+    ZeroCenteredRMSNorm,
     apply_rotary,
     masked_attention,
     rope_inverse_frequencies,
@@ -121,24 +123,37 @@ def past_visibility(positions: torch.Tensor, past_rows: int) -> torch.Tensor:
     return torch.cat([past.expand(batch, length, past_rows), causal.expand(batch, length, length)], dim=-1)
 
 
+class RecurrentState(NamedTuple):
+    """The Gated DeltaNet layers' per-sequence state (hybrid targets)."""
+
+    state: torch.Tensor  # [Lg, B, Hv, dk, dv] fp32
+    window: torch.Tensor  # [Lg, B, K-1, C]: the last K-1 conv inputs
+
+
 class TargetOutput(NamedTuple):
     logits: torch.Tensor  # [B, S or logits_to_keep, V]
     taps: torch.Tensor  # [B, S, n_taps*E]
-    k: torch.Tensor  # [L, B, S, Hkv, D]: K rows of these positions, for the caller's cache
-    v: torch.Tensor  # [L, B, S, Hkv, D]
+    k: torch.Tensor  # [La, B, S, Hkv, D]: K rows of these positions (attention layers), for the caller's cache
+    v: torch.Tensor  # [La, B, S, Hkv, D]
+    tapes: tuple[GDNTape, ...] = ()  # per Gated DeltaNet layer: what `commit_recurrent` needs
+    recurrent: RecurrentState | None = None  # after all S tokens
+
+
+def make_norm(config: TargetConfig, size: int) -> nn.Module:
+    return ZeroCenteredRMSNorm(size, config.rms_norm_eps) if config.zero_centered_norms else RMSNorm(size, config.rms_norm_eps)
 
 
 class TargetAttention(nn.Module):
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
         e, h, hkv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.head_dim = d
-        self.q_proj = nn.Linear(e, h * d, bias=config.qkv_bias)
+        self.head_dim, self.gated = d, config.gated_attention
+        self.q_proj = nn.Linear(e, h * d * (2 if self.gated else 1), bias=config.qkv_bias)  # gated: [query | gate] per head
         self.k_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * d, e, bias=config.o_bias)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, d) if config.qk_norm else None
+        self.k_norm = make_norm(config, d) if config.qk_norm else None
 
     def forward(
         self,
@@ -150,25 +165,28 @@ class TargetAttention(nn.Module):
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [B, S, E]; visible: [B, S, R + S]; past_k/v: [B, R, Hkv, D] position-indexed -> (out, k, v [B, S, Hkv, D])."""
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, H, D]
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim * (2 if self.gated else 1)))  # [B, S, H, D or 2D]
+        q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)  # [B, S, H, D] each
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # [B, R+S, Hkv, D]
-        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)
+        out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)  # [B, S, H*D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate.flatten(-2))
         return self.o_proj(out), k, v
 
 
 class TargetLayer(nn.Module):
-    """One decoder layer. Hybrid targets (qwen3_5) add a linear-attention variant beside this one."""
+    """One decoder layer with (full) attention."""
 
     def __init__(self, config: TargetConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = TargetAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
 
     def forward(
@@ -185,27 +203,67 @@ class TargetLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
+class LinearAttentionLayer(nn.Module):
+    """One decoder layer of a hybrid target whose token mixer is Gated DeltaNet (`linear_attn`)."""
+
+    def __init__(self, config: TargetConfig) -> None:
+        super().__init__()
+        assert config.linear is not None
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.linear_attn = GatedDeltaNet(config.hidden_size, config.linear, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
+
+    def forward(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GDNTape]:
+        mixed, state, tape = self.linear_attn(self.input_layernorm(x), window, state)
+        x = x + mixed
+        return x + self.mlp(self.post_attention_layernorm(x)), state, tape
+
+
 class TargetNetwork(nn.Module):
-    """Decoder-only target returning logits and the concatenated outputs of the tap layers."""
+    """Decoder-only target returning logits and the concatenated outputs of the tap layers. Hybrid targets
+    (qwen3_5) interleave Gated DeltaNet layers, whose state enters and leaves as a `RecurrentState`."""
 
     def __init__(self, config: TargetConfig, tap_layer_ids: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.config = config
         self.tap_layer_ids = tap_layer_ids
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(TargetLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        linear = set(config.linear_layers)
+        self.layers = nn.ModuleList(
+            LinearAttentionLayer(config) if i in linear else TargetLayer(config) for i in range(config.num_layers)
+        )
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.rope_scaling = rope_inverse_frequencies(
-            config.rope_parameters, config.head_dim, config.max_position_embeddings
-        )
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, rotary_dim, config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def allocate_cache(self, batch: int, slots: int) -> KVCache:
         c = self.config
-        return KVCache.allocate(c.num_layers, batch, slots, c.num_kv_heads, c.head_dim, self.embed_tokens.weight.dtype)
+        layers = len(c.attention_layers)
+        return KVCache.allocate(layers, batch, slots, c.num_kv_heads, c.head_dim, self.embed_tokens.weight.dtype)
+
+    def initial_recurrent(self, batch: int) -> RecurrentState | None:
+        """The Gated DeltaNet state of an empty sequence (zeros), or None for a target without such layers."""
+        linear = self.config.linear
+        if linear is None:
+            return None
+        layers, dtype = len(self.config.linear_layers), self.embed_tokens.weight.dtype
+        device = self.embed_tokens.weight.device
+        state = torch.zeros(layers, batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim, device=device)
+        window = torch.zeros(layers, batch, linear.conv_kernel - 1, linear.conv_dim, dtype=dtype, device=device)
+        return RecurrentState(state, window)
+
+    def commit_recurrent(self, before: RecurrentState, tapes: tuple[GDNTape, ...], committed: torch.Tensor) -> RecurrentState:
+        """The state after the first `committed` [B] tokens of a block, from the state before it and its tapes."""
+        assert self.config.linear is not None
+        kernel = self.config.linear.conv_kernel
+        states = [commit_state(before.state[i], tape, committed) for i, tape in enumerate(tapes)]
+        windows = [commit_window(tape.window, committed, kernel) for tape in tapes]
+        return RecurrentState(torch.stack(states), torch.stack(windows))
 
     def forward(
         self,
@@ -213,21 +271,35 @@ class TargetNetwork(nn.Module):
         positions: torch.Tensor,
         past: PastKV,
         logits_to_keep: int = 0,
+        recurrent: RecurrentState | None = None,
     ) -> TargetOutput:
-        """input_ids, positions: [B, S] (contiguous per row); past: R position-indexed rows per layer (R may be 0)."""
+        """input_ids, positions: [B, S] (contiguous per row); past: R position-indexed rows per attention layer
+        (R may be 0); recurrent: the Gated DeltaNet state before these tokens (hybrid targets; None = empty)."""
         x = self.embed_tokens(input_ids)  # [B, S, E]
         cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
+        if recurrent is None:
+            recurrent = self.initial_recurrent(input_ids.shape[0])
         visible: torch.Tensor | None = None
         taps: dict[int, torch.Tensor] = {}
-        new_k, new_v = [], []
+        new_k: list[torch.Tensor] = []
+        new_v: list[torch.Tensor] = []
+        states: list[torch.Tensor] = []
+        tapes: list[GDNTape] = []
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            past_k, past_v = past.layer(index)
-            if visible is None:
-                visible = past_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
-            x, k, v = layer(x, cos, sin, visible, past_k, past_v)
-            new_k.append(k)
-            new_v.append(v)
+            if isinstance(layer, LinearAttentionLayer):
+                assert recurrent is not None
+                g = len(tapes)
+                x, state, tape = layer(x, recurrent.window[g], recurrent.state[g])
+                states.append(state)
+                tapes.append(tape)
+            else:
+                past_k, past_v = past.layer(len(new_k))
+                if visible is None:
+                    visible = past_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
+                x, k, v = layer(x, cos, sin, visible, past_k, past_v)
+                new_k.append(k)
+                new_v.append(v)
             if index in self.tap_layer_ids and index != last:
                 taps[index] = x
         x = self.norm(x)
@@ -235,7 +307,10 @@ class TargetNetwork(nn.Module):
             taps[last] = x  # HF's hidden_states[-1] is the final-normed output
         tap_features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1) if self.tap_layer_ids else x[..., :0]
         logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
-        return TargetOutput(logits, tap_features, torch.stack(new_k), torch.stack(new_v))
+        after = None
+        if tapes:  # the window after the block: the last K-1 of [old window ; block inputs]
+            after = RecurrentState(torch.stack(states), torch.stack([t.window[:, input_ids.shape[1] :] for t in tapes]))
+        return TargetOutput(logits, tap_features, torch.stack(new_k), torch.stack(new_v), tuple(tapes), after)
 
 
 class DrafterAttention(nn.Module):

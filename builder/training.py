@@ -59,7 +59,9 @@ def generate_responses(
         tokens[:, position] = torch.where(position < lengths, tokens[:, position], predicted)  # prompt rows stay forced
         if position + 1 < end:
             step_positions = torch.full((len(prompts), 1), position)
-            out = target(tokens[:, position : position + 1], step_positions, cache.past(position), logits_to_keep=1)
+            out = target(
+                tokens[:, position : position + 1], step_positions, cache.past(position), 1, recurrent=out.recurrent
+            )  # hybrid targets carry their Gated DeltaNet state from token to token
             cache.write(step_positions, out.k, out.v)
     return [tokens[row, : length + max_new_tokens].clone() for row, length in enumerate(lengths.tolist())]
 

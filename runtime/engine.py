@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, pool_view_shape
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.states import DTYPES, StatePool, StateSpec
 
@@ -113,7 +113,7 @@ class GraphEngine:
         self.block_size, self.max_seq_len, self.vocab_size = spec.block_size, spec.max_seq_len, spec.vocab_size
         self.pool = StatePool(spec.states, max_batch or spec.max_batch_size)
         self._carriers: dict[int, torch.Tensor] = {}
-        self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *s.shape[1:]) for s in spec.states}  # graph form
+        self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *pool_view_shape(s)) for s in spec.states}  # graph form
         self._input_names = {graph: {t.name for t in graph_inputs(graph, spec.states)} for graph in GRAPH_NAMES}
 
     def prefill(self, slot: int, prompt: list[int], uniform: float, sampling: SamplingParams) -> StepResult:
@@ -160,5 +160,9 @@ class GraphEngine:
     def _write_rows(self, out: dict[str, torch.Tensor], slots: torch.Tensor, positions: torch.Tensor) -> None:
         for state in self.spec.states:
             rows = out.get(f"{state.name}_rows")
-            if rows is not None:
+            if rows is None:
+                continue
+            if state.kind == "positional":
                 self.pool.write_rows(state.name, slots, positions, rows)
+            else:
+                self.pool.write_values(state.name, slots, rows)

@@ -65,11 +65,21 @@ def owner(state: StateSpec) -> str:
     return state.name.split("_", 1)[0]
 
 
+POOL_AXIS = {"positional": "pool_rows", "recurrent": "pool_slots"}  # flat: layers x slots (x positions)
+
+
+def pool_view_shape(state: StateSpec) -> tuple[int, ...]:
+    """The trailing shape of a state as graphs take it: positional [L * N * T, *row], recurrent [L * N, *shape]."""
+    return state.shape[1:] if state.kind == "positional" else state.shape
+
+
 def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec, ...]:
     fixed = PREFILL_INPUTS if graph == "prefill" else STEP_INPUTS
     drafting = DRAFT_INPUTS if graph == "step" else ()
     read = tuple(
-        TensorSpec(s.name, "state", (f"{owner(s)}_pool_rows", *map(str, s.shape[1:]))) for s in states if owner(s) in READS[graph]
+        TensorSpec(s.name, "state", (f"{owner(s)}_{POOL_AXIS[s.kind]}", *map(str, pool_view_shape(s))))
+        for s in states
+        if owner(s) in READS[graph]
     )
     return (*fixed, *drafting, *SAMPLING, *read)
 
@@ -77,8 +87,9 @@ def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec,
 def graph_outputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec, ...]:
     fixed = PREFILL_OUTPUTS if graph == "prefill" else STEP_OUTPUTS
     length = "prompt" if graph == "prefill" else "verify"
+    per_row = {"positional": (length,), "recurrent": ()}  # a recurrent state returns its new value, not rows
     written = tuple(
-        TensorSpec(f"{s.name}_rows", "state", (str(s.layers), "batch", length, *map(str, s.shape[1:])))
+        TensorSpec(f"{s.name}_rows", "state", (str(s.layers), "batch", *per_row[s.kind], *map(str, pool_view_shape(s))))
         for s in states
         if owner(s) in WRITES[graph]
     )

@@ -54,6 +54,17 @@ def attention_states(prefix: str, layers: int, positions: int, kv_heads: int, he
     return tuple(StateSpec(f"{prefix}_{kind}", "positional", layers, shape, dtype) for kind in ("k", "v"))
 
 
+def gated_deltanet_states(
+    prefix: str, layers: int, value_heads: int, key_dim: int, value_dim: int, kernel: int, conv_dim: int, dtype: str
+) -> tuple[StateSpec, ...]:
+    """The recurrent states of `layers` Gated DeltaNet layers: `{prefix}_ssm` [Hv, dk, dv] (fp32, as every
+    implementation keeps it) and `{prefix}_conv`, the last K-1 causal-conv inputs [K-1, C]."""
+    return (
+        StateSpec(f"{prefix}_ssm", "recurrent", layers, (value_heads, key_dim, value_dim), "float32"),
+        StateSpec(f"{prefix}_conv", "recurrent", layers, (kernel - 1, conv_dim), dtype),
+    )
+
+
 class NoFreeSlot(RuntimeError):
     """Every slot of the pool is taken."""
 
@@ -86,3 +97,7 @@ class StatePool:
     def write_rows(self, name: str, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Write a positional state in place: slots [B], positions [B, S], rows [layers, B, S, *row_shape]."""
         self.tensors[name][:, slots[:, None], positions] = rows.to(self.tensors[name].dtype)
+
+    def write_values(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace a recurrent state in place: slots [B], values [layers, B, *shape]."""
+        self.tensors[name][:, slots] = values.to(self.tensors[name].dtype)

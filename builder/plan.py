@@ -1,0 +1,107 @@
+"""dflash-build --plan: what a target and its drafter will cost, computed from their configs alone (no weights).
+
+Weights are counted from the config (the language model only: a qwen3_5 checkpoint's vision tower and MTP head
+are not built). Per sequence the engine keeps the target's attention K/V and the drafter's context K/V for every
+position (max_seq_len + block_size rows), and for hybrid targets one Gated DeltaNet state (fp32) and one conv
+window per linear-attention layer, whatever the length.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dflash_trt.builder.checkpoints import DrafterConfig, TargetConfig
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'141GB', '80GiB', '1.5TB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a memory size; write e.g. 141GB or 80GiB")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def target_parameters(c: TargetConfig) -> int:
+    e, d, mlp = c.hidden_size, c.head_dim, 3 * c.hidden_size * c.intermediate_size
+    norms = 2 * e
+    query = c.num_heads * d * (2 if c.gated_attention else 1)
+    attention = e * query + 2 * e * c.num_kv_heads * d + c.num_heads * d * e + (2 * d if c.qk_norm else 0)
+    if c.qkv_bias:
+        attention += query + 2 * c.num_kv_heads * d
+    total = len(c.attention_layers) * (attention + mlp + norms)
+    if c.linear is not None:
+        g = c.linear
+        mixer = e * g.conv_dim + e * g.value_dim + 2 * e * g.num_value_heads + g.conv_dim * g.conv_kernel
+        mixer += 2 * g.num_value_heads + g.value_head_dim + g.value_dim * e  # dt_bias, A_log, gated norm, out_proj
+        total += len(c.linear_layers) * (mixer + mlp + norms)
+    embeddings = c.vocab_size * e * (1 if c.tie_word_embeddings else 2)
+    return total + embeddings + e
+
+
+def drafter_parameters(c: DrafterConfig) -> int:
+    e, d = c.hidden_size, c.head_dim
+    attention = e * c.num_heads * d + 2 * e * c.num_kv_heads * d + c.num_heads * d * e + 2 * d
+    layer = attention + 3 * e * c.intermediate_size + 2 * e
+    return len(c.target_layer_ids) * e * e + e + c.num_layers * layer + e  # fc, hidden_norm, layers, norm
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weight_bytes: int
+    kv_bytes_per_token: int  # the target's attention K/V
+    draft_bytes_per_token: int  # the drafter's context K/V
+    recurrent_bytes_per_sequence: int  # Gated DeltaNet states (fp32) and conv windows
+    positions: int  # rows per sequence: max_seq_len + block_size
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return self.positions * (self.kv_bytes_per_token + self.draft_bytes_per_token) + self.recurrent_bytes_per_sequence
+
+    def sequences_that_fit(self, memory_bytes: int) -> int:
+        return max(0, (memory_bytes - self.weight_bytes) // self.bytes_per_sequence)
+
+
+def memory_plan(target: TargetConfig, drafter: DrafterConfig, dtype: str, max_seq_len: int, block_size: int) -> MemoryPlan:
+    size = DTYPE_BYTES[dtype]
+    recurrent = 0
+    if target.linear is not None:
+        g = target.linear
+        per_layer = g.num_value_heads * g.key_head_dim * g.value_head_dim * 4 + (g.conv_kernel - 1) * g.conv_dim * size
+        recurrent = len(target.linear_layers) * per_layer
+    return MemoryPlan(
+        weight_bytes=(target_parameters(target) + drafter_parameters(drafter)) * size,
+        kv_bytes_per_token=len(target.attention_layers) * 2 * target.num_kv_heads * target.head_dim * size,
+        draft_bytes_per_token=drafter.num_layers * 2 * drafter.num_kv_heads * drafter.head_dim * size,
+        recurrent_bytes_per_sequence=recurrent,
+        positions=max_seq_len + block_size,
+    )
+
+
+def _human(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def describe(plan: MemoryPlan, dtype: str, max_seq_len: int, memory_bytes: int | None) -> str:
+    rows = [
+        (f"weights ({dtype}, target + drafter)", _human(plan.weight_bytes)),
+        ("target attention K/V per token", _human(plan.kv_bytes_per_token)),
+        ("drafter context K/V per token", _human(plan.draft_bytes_per_token)),
+        ("recurrent state per sequence", _human(plan.recurrent_bytes_per_sequence)),
+        (f"per sequence of {max_seq_len} tokens (+ block)", _human(plan.bytes_per_sequence)),
+    ]
+    if memory_bytes is not None:
+        fit = plan.sequences_that_fit(memory_bytes)
+        rows.append(
+            (f"sequences of {max_seq_len} tokens in {_human(memory_bytes)}", f"{fit} (after the weights; nothing else counted)")
+        )
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)

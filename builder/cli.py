@@ -117,14 +117,13 @@ def build(args: argparse.Namespace) -> Path | None:
         print_plan(args, target_config, drafter_config)
         return None
     backend = choose_backend(args.backend)
+    if target_config.linear is not None and backend == "tensorrt":
+        raise CheckpointError(
+            f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) build for ONNX Runtime "
+            "(--backend onnxruntime); the TensorRT plugin of their dflash::GatedDeltaRule op is not built yet"
+        )
     if backend == "tensorrt":
         require_tensorrt()
-    if target_config.linear is not None:
-        raise CheckpointError(
-            f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) run on the torch reference engine "
-            "so far (dflash_trt.builder.graphs.torch_engine); their ONNX Runtime and TensorRT export (the "
-            "dflash::GatedDeltaRule and dflash::CausalConv1d ops) is not built yet"
-        )
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
     if drafter_dir is None:
         print(

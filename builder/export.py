@@ -16,10 +16,10 @@ from pathlib import Path
 import onnx
 import torch
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
-from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
 from dflash_trt.runtime.engine import EngineSpec
-from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, owner
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, POOL_AXIS, graph_inputs, graph_outputs, owner, pool_view_shape
 from torch.export import Dim
 
 WEIGHTS_FILE = "weights.bin"
@@ -36,7 +36,7 @@ AXIS_RANGES = {"batch": (1, 1024), "verify": (1, 64), "sampled": (0, 1024), "can
 
 def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...], tuple[dict[int, Dim], ...]]:
     """Example inputs for one graph, built from its schema, and their dynamic axes."""
-    pools = {f"{owner(s)}_pool_rows": (2, None) for s in spec.states}  # one size per owner's layer count
+    pools = {f"{owner(s)}_{POOL_AXIS[s.kind]}": (2, None) for s in spec.states}  # one size per owner's layer count
     ranges = {**AXIS_RANGES, **pools, "drafts": (1, spec.block_size - 1)}
     sizes = {**EXAMPLE_SIZES, "drafts": max(2, spec.block_size - 2)}
     dims = {axis: Dim(axis, min=low, max=high) if high else Dim(axis, min=low) for axis, (low, high) in ranges.items()}
@@ -52,8 +52,9 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
     for tensor in graph_inputs(name, spec.states):
         if tensor.dtype == "state":
             state = next(s for s in spec.states if s.name == tensor.name)
-            pool = (state.layers * EXAMPLE_SLOTS * state.shape[0], *state.shape[1:])  # flat: the engine binds a view
-            inputs.append(torch.zeros(pool, dtype=spec.torch_dtype))
+            rows = state.layers * EXAMPLE_SLOTS * (state.shape[0] if state.kind == "positional" else 1)
+            pool = (rows, *pool_view_shape(state))  # flat: the engine binds a view
+            inputs.append(torch.zeros(pool, dtype=state.torch_dtype))
             axes.append({0: dims[tensor.axes[0]]})
             continue
         shape = tuple(int(a) if a.isdigit() else sizes[a] for a in tensor.axes)
@@ -84,7 +85,9 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.Mode
         )
     assert program is not None
     model = fold_weight_transposes(program.model_proto)
-    return attach_functions(model, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS])
+    return attach_functions(
+        model, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS, gated_delta_rule.onnx_function()]
+    )
 
 
 def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -9,8 +9,9 @@ pre-block state over the tape with the gates of tokens t >= n masked (g*[t<n], b
 exactly S), which is bit-identical to running only the first n tokens, and `commit_window` slices the window at n.
 Nothing per token is kept between steps: memory per sequence stays one state and one window.
 
-The recurrence mirrors transformers' `torch_recurrent_gated_delta_rule` (fp32, token by token); prefill uses it
-too. Shapes: B batch, S tokens, Hk/Hv key/value heads, dk/dv head dims, C conv channels (2*Hk*dk + Hv*dv), K kernel.
+The recurrence (the dflash::GatedDeltaRule op) mirrors transformers' `torch_recurrent_gated_delta_rule` (fp32,
+token by token); prefill uses it too. Shapes: B batch, S tokens, Hk/Hv key/value heads, dk/dv head dims,
+C conv channels (2*Hk*dk + Hv*dv), K kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from dflash_trt.builder.checkpoints import LinearAttentionConfig
+from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from torch import nn
 
 
@@ -36,21 +38,6 @@ class GDNTape(NamedTuple):
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x * rsqrt(sum(x^2) + eps) over the last axis (transformers' form; FLA divides by sqrt(sum) + eps)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta-rule recurrence, token by token, in fp32: q, k [B, S, Hv, dk]; v [B, S, Hv, dv]; g, beta [B, S, Hv];
-    state [B, Hv, dk, dv] -> (out [B, S, Hv, dv], state after the S tokens)."""
-    outputs = []
-    for t in range(k.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        remembered = (state * k[:, t, :, :, None]).sum(dim=-2)  # [B, Hv, dv]: S^T k
-        delta = (v[:, t] - remembered) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]  # k (x) delta
-        outputs.append((state * q[:, t, :, :, None]).sum(dim=-2))  # S^T q
-    return torch.stack(outputs, dim=1), state
 
 
 def commit_state(state: torch.Tensor, tape: GDNTape, committed: torch.Tensor) -> torch.Tensor:
@@ -103,12 +90,15 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(c.value_head_dim, eps)
         self.out_proj = nn.Linear(c.value_dim, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GDNTape]:
-        """x: [B, S, E]; window: [B, K-1, C] (the inputs before this block); state: [B, Hv, dk, dv] fp32
-        -> (out [B, S, E], state after all S tokens, the block's tape)."""
+    def forward(
+        self, x: torch.Tensor, window: torch.Tensor | None, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, GDNTape]:
+        """x: [B, S, E]; window: [B, K-1, C] (the inputs before this block); state: [B, Hv, dk, dv] fp32; None for
+        both: an empty sequence -> (out [B, S, E], state after all S tokens, the block's tape)."""
         c = self.config
-        batch, length, _ = x.shape
         mixed = self.in_proj_qkv(x)  # [B, S, C]
+        if window is None:  # zeros shaped after the input, not from symbolic sizes (an exported Scan needs that)
+            window = torch.zeros_like(mixed[:, :1]).expand(-1, c.conv_kernel - 1, -1)
         extended = torch.cat([window.to(mixed.dtype), mixed], dim=1)  # [B, K-1+S, C]
         conv = F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=c.conv_dim)  # [B, C, S]
         mixed = F.silu(conv).transpose(1, 2)  # [B, S, C]
@@ -119,6 +109,8 @@ class GatedDeltaNet(nn.Module):
         v = v.unflatten(-1, (c.num_value_heads, c.value_head_dim)).float()  # [B, S, Hv, dv]
         beta = self.in_proj_b(x).sigmoid().float()  # [B, S, Hv]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)  # [B, S, Hv]
+        if state is None:
+            state = torch.zeros_like(k[:, 0, :, :, None] * v[:, 0, :, None, :])  # [B, Hv, dk, dv]
         out, final_state = gated_delta_rule(q / c.key_head_dim**0.5, k, v, g, beta, state)
         z = self.in_proj_z(x).unflatten(-1, (c.num_value_heads, c.value_head_dim))
         out = self.norm(out.to(x.dtype), z).flatten(-2)  # [B, S, Hv*dv]

@@ -214,7 +214,9 @@ class LinearAttentionLayer(nn.Module):
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, window: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, GDNTape]:
+    def forward(
+        self, x: torch.Tensor, window: torch.Tensor | None, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, GDNTape]:
         mixed, state, tape = self.linear_attn(self.input_layernorm(x), window, state)
         x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x)), state, tape
@@ -246,17 +248,6 @@ class TargetNetwork(nn.Module):
         layers = len(c.attention_layers)
         return KVCache.allocate(layers, batch, slots, c.num_kv_heads, c.head_dim, self.embed_tokens.weight.dtype)
 
-    def initial_recurrent(self, batch: int) -> RecurrentState | None:
-        """The Gated DeltaNet state of an empty sequence (zeros), or None for a target without such layers."""
-        linear = self.config.linear
-        if linear is None:
-            return None
-        layers, dtype = len(self.config.linear_layers), self.embed_tokens.weight.dtype
-        device = self.embed_tokens.weight.device
-        state = torch.zeros(layers, batch, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim, device=device)
-        window = torch.zeros(layers, batch, linear.conv_kernel - 1, linear.conv_dim, dtype=dtype, device=device)
-        return RecurrentState(state, window)
-
     def commit_recurrent(self, before: RecurrentState, tapes: tuple[GDNTape, ...], committed: torch.Tensor) -> RecurrentState:
         """The state after the first `committed` [B] tokens of a block, from the state before it and its tapes."""
         assert self.config.linear is not None
@@ -277,8 +268,6 @@ class TargetNetwork(nn.Module):
         (R may be 0); recurrent: the Gated DeltaNet state before these tokens (hybrid targets; None = empty)."""
         x = self.embed_tokens(input_ids)  # [B, S, E]
         cos, sin = rotary_cos_sin(self.inv_freq, self.rope_scaling, positions, x.dtype)
-        if recurrent is None:
-            recurrent = self.initial_recurrent(input_ids.shape[0])
         visible: torch.Tensor | None = None
         taps: dict[int, torch.Tensor] = {}
         new_k: list[torch.Tensor] = []
@@ -288,9 +277,9 @@ class TargetNetwork(nn.Module):
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             if isinstance(layer, LinearAttentionLayer):
-                assert recurrent is not None
                 g = len(tapes)
-                x, state, tape = layer(x, recurrent.window[g], recurrent.state[g])
+                before = (None, None) if recurrent is None else (recurrent.window[g], recurrent.state[g])
+                x, state, tape = layer(x, *before)
                 states.append(state)
                 tapes.append(tape)
             else:

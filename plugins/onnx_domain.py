@@ -20,10 +20,12 @@ DFLASH = Opset(DOMAIN, DOMAIN_VERSION)
 op = opset20
 
 
-def attach_functions(model: onnx.ModelProto, functions: Sequence[OnnxFunction]) -> onnx.ModelProto:
-    """Add the bodies of the dflash functions (and the domain import) to the model, in place."""
+def attach_functions(model: onnx.ModelProto, functions: Sequence[OnnxFunction | onnx.FunctionProto]) -> onnx.ModelProto:
+    """Add the bodies of the dflash functions (and the domain import) to the model, in place. A body is written
+    in onnxscript, or built as a FunctionProto where onnxscript cannot say it (a Scan with its body graph)."""
     present = {f.name for f in model.functions if f.domain == DOMAIN}
-    model.functions.extend(proto for proto in (f.to_function_proto() for f in functions) if proto.name not in present)
+    protos = (f if isinstance(f, onnx.FunctionProto) else f.to_function_proto() for f in functions)
+    model.functions.extend(proto for proto in protos if proto.name not in present)
     if not any(entry.domain == DOMAIN for entry in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     return model

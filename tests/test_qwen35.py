@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config, read_config_json
-from dflash_trt.builder.gated_deltanet import GDNTape, commit_state, commit_window, gated_delta_rule
+from dflash_trt.builder.gated_deltanet import GDNTape, commit_state, commit_window
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.networks import KVCache, load_pair, load_target
+from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from dflash_trt.runtime.engine import GraphEngine, TorchRunner
 from dflash_trt.runtime.loop import generate
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
@@ -282,14 +283,47 @@ def test_alias_offline_without_checkpoints_is_refused_at_once(tmp_path: Path, mo
     assert not output.exists() and time.perf_counter() - began < 60
 
 
-def test_onnx_build_of_a_hybrid_target_is_refused_before_loading_weights(
-    qwen35_dir: Path, random_drafter: Path, tmp_path: Path
+def test_tensorrt_build_of_a_hybrid_target_is_refused_before_loading_weights(
+    qwen35_dir: Path, random_drafter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from dflash_trt.builder.cli import main as dflash_build
 
     output = tmp_path / "repo"
-    assert dflash_build(["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--output", str(output)]) == 2
-    assert not output.exists()
+    command = ["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--output", str(output), "--backend", "tensorrt"]
+    assert dflash_build(command) == 2
+    assert "dflash::GatedDeltaRule op is not built yet" in capsys.readouterr().err and not output.exists()
+
+
+@pytest.fixture(scope="module")
+def qwen35_repo(qwen35_dir: Path, random_drafter: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dflash-build (ONNX Runtime) of the tiny qwen3_5 pair, raw prompts (the tiny tokenizer has no chat template)."""
+    from dflash_trt.builder.cli import main as dflash_build
+
+    output = tmp_path_factory.mktemp("qwen35-repo") / "repo"
+    command = ["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--output", str(output)]
+    assert dflash_build([*command, "--max-seq-len", "128", "--max-batch-size", "4"]) == 0
+    return output
+
+
+@pytest.mark.slow
+def test_onnxruntime_engine_and_dflash_serve_equal_transformers(
+    qwen35_repo: Path, greedy: dict[tuple[int, ...], list[int]], tmp_path: Path
+) -> None:
+    """The exported graphs (dflash::GatedDeltaRule as an ONNX Scan, the rollback inside the step graph) in ONNX
+    Runtime, in process and behind a real tritonserver: greedy output equals transformers' generate()."""
+    from dflash_trt.client.triton_client import Request, stream_tokens
+    from dflash_trt.runtime.repository import load_engine
+
+    from tests.conftest import running_server
+
+    engine, manifest = load_engine(qwen35_repo)
+    assert [s["name"] for s in manifest["engine"]["states"]][-2:] == ["target_ssm", "target_conv"]
+    for prompt, expected in greedy.items():
+        assert generate(engine, list(prompt), NEW_TOKENS).tokens == expected, prompt
+    with running_server(qwen35_repo, tmp_path) as ports:
+        for prompt, expected in list(greedy.items())[:5]:
+            served = [t for r in stream_tokens(f"localhost:{ports.grpc}", list(prompt), Request(NEW_TOKENS)) for t in r["tokens"]]
+            assert served == expected, prompt
 
 
 def test_a_drafter_for_another_hidden_size_is_refused(qwen35_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
@@ -348,6 +349,17 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
             f"drafter num_target_layers {drafter.num_target_layers} != target num_hidden_layers {target.num_layers}: "
             "the drafter was made for a different target"
         )
+
+
+def skipped_weights(checkpoint_dir: Path) -> list[str]:
+    """The weight groups of a checkpoint that are not built (a qwen3_5 vision tower, its MTP head), for the manifest;
+    read from the safetensors headers only."""
+    found: set[str] = set()
+    for path in sorted(checkpoint_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                found.update(p for p in SKIPPED_WEIGHTS if name.removeprefix("model.").startswith(p))
+    return sorted(f"{prefix}*" for prefix in found)
 
 
 def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from dflash_trt.builder.checkpoints import (
     check_pair,
     parse_drafter_config,
     parse_target_config,
+    skipped_weights,
 )
 from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
 from dflash_trt.builder.export import export_engines_onnx
@@ -36,6 +37,7 @@ from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def choose_backend(requested: str) -> str:
@@ -55,7 +57,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
     parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
     parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help=f"prompt + generated tokens per sequence (default {DEFAULT_MAX_SEQ_LEN}, or less if the target has fewer positions)",
+    )
     parser.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
@@ -113,6 +119,10 @@ def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int)
 def build(args: argparse.Namespace) -> Path | None:
     """Build the repository (None with --plan: the plan is printed, nothing is written or downloaded)."""
     target_config, drafter_config = _configs(args)
+    if args.max_seq_len is None:
+        block = args.block_size or (drafter_config.block_size if drafter_config else 16)
+        args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, target_config.max_position_embeddings - block)
+        print(f"[dflash-build] --max-seq-len {args.max_seq_len}", file=sys.stderr)
     if args.plan:
         print_plan(args, target_config, drafter_config)
         return None
@@ -160,7 +170,8 @@ def build(args: argparse.Namespace) -> Path | None:
             "session": asdict(settings),
             "tap_layer_ids": list(drafter.config.target_layer_ids),
             "eos_token_ids": list(target.config.eos_token_ids),
-            "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir)},
+            "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir),
+                       "not_built": skipped_weights(target_dir)},
             "drafter": {"source": str(drafter_dir), "sha256": checkpoint_hashes(drafter_dir)},
         })  # fmt: skip
     return args.output

@@ -7,6 +7,7 @@ graphs, and each graph's initializers point into it (ONNX external data).
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 import time
 import warnings
@@ -71,6 +72,8 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
 def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.ModelProto:
     """Trace one fused graph to ONNX (opset 20 + the dflash domain) and attach the dflash function bodies."""
     inputs, axes = example_inputs(spec, name)
+    exporter_log = logging.getLogger("torch.onnx")
+    level, exporter_log.level = exporter_log.level, logging.ERROR  # its registry's "torchvision is not installed" lines
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter
         program = torch.onnx.export(
@@ -83,6 +86,7 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.Mode
             output_names=[t.name for t in graph_outputs(name, spec.states)],
             verbose=False,
         )
+    exporter_log.setLevel(level)
     assert program is not None
     model = fold_weight_transposes(program.model_proto)
     return attach_functions(

@@ -318,6 +318,7 @@ def test_onnxruntime_engine_and_dflash_serve_equal_transformers(
 
     engine, manifest = load_engine(qwen35_repo)
     assert [s["name"] for s in manifest["engine"]["states"]][-2:] == ["target_ssm", "target_conv"]
+    assert manifest["target"]["not_built"] == ["visual.*"]  # the tiny checkpoint has a vision tower, no MTP head
     for prompt, expected in greedy.items():
         assert generate(engine, list(prompt), NEW_TOKENS).tokens == expected, prompt
     with running_server(qwen35_repo, tmp_path) as ports:
@@ -393,3 +394,10 @@ def test_teacher_forced_logits_do_not_depend_on_the_rejection_pattern(
     assert rounding < 1e-5, rounding
     worst = max(float((contaminated[p] - patterns[0][p]).abs().max()) for p in set(contaminated) & set(patterns[0]))
     assert worst > 1000 * max(rounding, 1e-7), (worst, rounding)
+
+
+def test_max_seq_len_defaults_to_what_the_target_supports(qwen35_dir: Path, random_drafter: Path, capsys) -> None:  # noqa: ANN001
+    from dflash_trt.builder.cli import main as dflash_build
+
+    assert dflash_build(["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--plan"]) == 0
+    assert "--max-seq-len 496" in capsys.readouterr().err  # 512 positions, less one block of 16

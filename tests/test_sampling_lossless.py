@@ -18,7 +18,7 @@ from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from tests.conftest import write_tiny_drafter
@@ -50,6 +50,40 @@ def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Gra
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" not in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(root / "target")
+    drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
+    drafter = load_drafter(drafter_dir)
+    engine = torch_engine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
+    return root / "target", engine
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
+    """The same, with a qwen3_5 (text-only layout) target: Gated DeltaNet layers, whose state the step rolls back."""
+    root = tmp_path_factory.mktemp("tiny-vocab-hybrid")
+    torch.manual_seed(6)
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        full_attention_interval=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not any(part in name for part in ("norm", "A_log", "dt_bias")):
                 param.normal_(0.0, 0.3)
     model.save_pretrained(root / "target")
     drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
@@ -123,3 +157,19 @@ def test_broken_acceptance_fails_the_same_test(tiny_vocab_pair, monkeypatch: pyt
     sampling = SamplingParams(1.0)
     counts, _ = _dflash_counts(engine, sampling)
     assert _chi_square_p(counts, _target_distribution(target_dir, sampling)) < 1e-6
+
+
+@pytest.mark.slow
+def test_hybrid_target_sampling_is_lossless_and_broken_acceptance_is_seen(
+    tiny_vocab_hybrid_pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qwen3_5: the sampled rows' Gated DeltaNet state is rolled back to the accepted prefix like a greedy row's."""
+    target_dir, engine = tiny_vocab_hybrid_pair
+    sampling = SamplingParams(1.0)
+    probs = _target_distribution(target_dir, sampling)
+    counts, accepted = _dflash_counts(engine, sampling)
+    assert accepted > SAMPLES // 20, "the acceptance path was hardly exercised"
+    assert _chi_square_p(counts, probs) > 1e-3
+    monkeypatch.setattr(graphs, "accepted_prefix_length", lambda draft, target: torch.ones(draft.shape[0], dtype=torch.long))
+    broken, _ = _dflash_counts(engine, sampling)
+    assert _chi_square_p(broken, probs) < 1e-6

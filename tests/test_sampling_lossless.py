@@ -18,7 +18,7 @@ from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
 from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from tests.conftest import write_tiny_drafter
@@ -29,67 +29,46 @@ SAMPLES = 5000
 PROMPT = [1, 3, 2, 0, 3]
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
-    root = tmp_path_factory.mktemp("tiny-vocab")
-    torch.manual_seed(4)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-        eos_token_id=None,
-        bos_token_id=0,
-        pad_token_id=None,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(root / "target")
-    drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
-    drafter = load_drafter(drafter_dir)
-    engine = torch_engine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
-    return root / "target", engine
+SHARED = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=64,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
-    """The same, with a qwen3_5 (text-only layout) target: Gated DeltaNet layers, whose state the step rolls back."""
-    root = tmp_path_factory.mktemp("tiny-vocab-hybrid")
-    torch.manual_seed(6)
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        full_attention_interval=2,
-        max_position_embeddings=64,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+def _pair(root: Path, config: PretrainedConfig, seed: int) -> tuple[Path, GraphEngine]:
+    """A random tiny-vocabulary target (peaked weights; norms and Gated DeltaNet decays left alone), a random
+    drafter, and their torch engine with block size 4."""
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not any(part in name for part in ("norm", "A_log", "dt_bias")):
                 param.normal_(0.0, 0.3)
     model.save_pretrained(root / "target")
-    drafter_dir = write_tiny_drafter(root / "target", root / "drafter")
-    drafter = load_drafter(drafter_dir)
+    drafter = load_drafter(write_tiny_drafter(root / "target", root / "drafter"))
     engine = torch_engine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)
     return root / "target", engine
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
+    return _pair(tmp_path_factory.mktemp("tiny-vocab"), Qwen3Config(**SHARED, bos_token_id=0), seed=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_hybrid_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, GraphEngine]:
+    """The same with a qwen3_5 (text-only layout) target: Gated DeltaNet layers, whose state the step rolls back."""
+    linear = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    config = Qwen3_5TextConfig(**SHARED, **linear, full_attention_interval=2)
+    return _pair(tmp_path_factory.mktemp("tiny-vocab-hybrid"), config, seed=6)
 
 
 def _target_distribution(target_dir: Path, sampling: SamplingParams) -> np.ndarray:

@@ -130,7 +130,8 @@ def build(args: argparse.Namespace) -> Path | None:
     if target_config.linear is not None and backend == "tensorrt":
         raise CheckpointError(
             f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) build for ONNX Runtime "
-            "(--backend onnxruntime); the TensorRT plugin of their dflash::GatedDeltaRule op is not built yet"
+            "(--backend onnxruntime); their TensorRT build (optimization profiles for the recurrent states; the "
+            "dflash::GatedDeltaRule plugin is registered but untested without TensorRT) is not wired yet"
         )
     if backend == "tensorrt":
         require_tensorrt()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, KernelSpec, compile_for_gpu
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,6 +37,10 @@ class DrafterShape:
     window: int = 0  # 0: full attention
     eps: float = 1e-6
     rope_scaling: float = 1.0
+    # a hybrid target's Gated DeltaNet layers (defaults: Qwen3.5-27B), for dflash::GatedDeltaRule
+    linear_heads: int = 48
+    linear_key_dim: int = 128
+    linear_value_dim: int = 128
 
 
 def kernel_specs(shape: DrafterShape, dtype: torch.dtype) -> list[KernelSpec]:
@@ -46,6 +50,7 @@ def kernel_specs(shape: DrafterShape, dtype: torch.dtype) -> list[KernelSpec]:
             shape.block_size, shape.heads, shape.kv_heads, shape.head_dim, False, shape.window or None,
             1 / math.sqrt(shape.head_dim), dtype,
         ),
+        gated_delta_rule.aot_spec(shape.linear_heads, shape.linear_key_dim, shape.linear_value_dim, dtype),
     ]  # fmt: skip
 
 

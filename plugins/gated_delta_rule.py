@@ -5,15 +5,21 @@ Per token t (state S [B, Hv, dk, dv]; q_t, k_t [B, Hv, dk]; v_t [B, Hv, dv]; g_t
 which is transformers' `torch_recurrent_gated_delta_rule` after its l2 norm and query scaling (done by the
 caller). The same op serves prefill (the whole prompt), verify (a block) and the masked commit (the block again,
 gates of uncommitted tokens set to the identity). The ONNX body is one Scan over the token axis, so one graph
-takes any number of tokens; TensorRT maps the node to a plugin (not built yet).
+takes any number of tokens. The Triton kernel (a program per sequence, value head and block of value columns:
+the columns of S evolve independently) is what the TensorRT plugin compiles ahead of time.
 """
 
 from __future__ import annotations
 
 import onnx
 import torch
+import triton
+import triton.language as tl
 from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION, ONNX_OPSET
+from dflash_trt.plugins.triton_launch import KernelSpec, element_pointer, launch
 from onnx import TensorProto, helper
+
+BLOCK_V = 32  # value columns per program: a [dk, BLOCK_V] fp32 slice of the state stays in registers
 
 
 def gated_delta_rule(
@@ -91,3 +97,67 @@ def onnx_function() -> onnx.FunctionProto:
         nodes,
         [helper.make_opsetid("", ONNX_OPSET)],
     )
+
+
+@triton.jit
+def gated_delta_rule_kernel(
+    q, k, v, g, beta, state,  # inputs (TensorRT AOT order): q, k [B, S, Hv, DK]; v [B, S, Hv, DV]; g, beta [B, S, Hv]
+    # and state [B, Hv, DK, DV] fp32
+    length,  # S, the only runtime size besides the grid
+    out, final_state,  # outputs: [B, S, Hv, DV] fp32, [B, Hv, DK, DV] fp32
+    HEADS: tl.constexpr, KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence b, value head h, value columns j0..j0+BLOCK_V): the recurrence over the S tokens for these
+    state columns, in fp32 registers (column j of S depends only on column j and the token's q, k, g, beta)."""
+    b, h, column_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = column_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = offs_k < KEY_DIM, offs_v < VALUE_DIM
+    tile = ((b * HEADS + h) * KEY_DIM + offs_k[:, None]) * VALUE_DIM + offs_v[None, :]
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(state + tile, mask=tile_ok, other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    for t in range(0, length):
+        row = (b * length + t) * HEADS + h
+        q_t = tl.load(q + row * KEY_DIM + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        k_t = tl.load(k + row * KEY_DIM + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        v_t = tl.load(v + row * VALUE_DIM + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        s = s * tl.exp(tl.load(g + row).to(tl.float32))
+        remembered = tl.sum(s * k_t[:, None], axis=0)  # [BLOCK_V]: S^T k
+        delta = (v_t - remembered) * tl.load(beta + row).to(tl.float32)
+        s = s + k_t[:, None] * delta[None, :]
+        tl.store(out + row * VALUE_DIM + offs_v, tl.sum(s * q_t[:, None], axis=0), mask=v_ok)  # S^T q
+    tl.store(final_state + tile, s, mask=tile_ok)
+
+
+def kernel_constexprs(heads: int, key_dim: int, value_dim: int) -> dict[str, int]:
+    return {
+        "HEADS": heads, "KEY_DIM": key_dim, "VALUE_DIM": value_dim, "BLOCK_K": triton.next_power_of_2(key_dim),
+        "BLOCK_V": min(BLOCK_V, triton.next_power_of_2(value_dim)),
+    }  # fmt: skip
+
+
+def aot_spec(heads: int, key_dim: int, value_dim: int, dtype: torch.dtype) -> KernelSpec:
+    """The kernel for a GPU build: grid (batch, value heads, value column blocks); q, k, v in `dtype`."""
+    element = element_pointer(dtype)
+    signature = {
+        "q": element, "k": element, "v": element, "g": "*fp32", "beta": "*fp32", "state": "*fp32", "length": "i32",
+        "out": "*fp32", "final_state": "*fp32",
+    }  # fmt: skip
+    return KernelSpec(
+        gated_delta_rule_kernel, signature, kernel_constexprs(heads, key_dim, value_dim), ("batch", "heads", "columns")
+    )
+
+
+def gated_delta_rule_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op through its Triton kernel; same arguments and results as `gated_delta_rule` (q, k, v may be bf16/fp16)."""
+    batch, length, heads, key_dim = k.shape
+    value_dim = v.shape[3]
+    constexprs = kernel_constexprs(heads, key_dim, value_dim)
+    out = torch.empty((batch, length, heads, value_dim), dtype=torch.float32, device=v.device)
+    final = torch.empty_like(state, dtype=torch.float32)
+    inputs = [t.contiguous() for t in (q, k, v, g.float(), beta.float(), state.float())]
+    grid = (batch, heads, triton.cdiv(value_dim, constexprs["BLOCK_V"]))
+    launch(gated_delta_rule_kernel, grid, *inputs, length, out, final, **constexprs)
+    return out, final

@@ -9,7 +9,7 @@ No `from __future__ import annotations` here: tensorrt.plugin reads the annotati
 """
 
 import torch
-from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, compile_for_gpu
 
 _registered = False
@@ -27,7 +27,8 @@ def build_arch() -> int:
 
 
 def register_tensorrt_plugins() -> None:
-    """Register dflash::HiddenStateTap and dflash::BlockDenoise in TensorRT's plugin registry (once)."""
+    """Register dflash::HiddenStateTap, dflash::BlockDenoise and dflash::GatedDeltaRule in TensorRT's plugin
+    registry (once)."""
     global _registered
     if _registered:
         return
@@ -113,4 +114,38 @@ def register_tensorrt_plugins() -> None:
         launch.shared_mem = compiled.shared_bytes
         scalars = trtp.SymIntExprs(1)
         scalars[0] = trtp.SymInt32(ctx_k.shape_expr[1])
+        return compiled.name, compiled.ptx, launch, scalars
+
+    @trtp.register("dflash::GatedDeltaRule")
+    def recurrence_shapes(
+        q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
+        state: trtp.TensorDesc,
+    ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:  # fmt: skip
+        out = (q.shape_expr[0], q.shape_expr[1], q.shape_expr[2], v.shape_expr[3])  # [B, S, Hv, dv]
+        return trtp.from_shape_expr(out, trt.float32), trtp.from_shape_expr(state.shape_expr, trt.float32)
+
+    @trtp.autotune("dflash::GatedDeltaRule")
+    def recurrence_combinations(
+        q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
+        state: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc, ...],
+    ) -> list[trtp.AutoTuneCombination]:  # fmt: skip
+        return [trtp.AutoTuneCombination(",".join(["FP32"] * 8), "LINEAR")]  # the recurrence is fp32 end to end
+
+    @trtp.aot_impl("dflash::GatedDeltaRule")
+    def recurrence_kernel(
+        q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, g: trtp.TensorDesc, beta: trtp.TensorDesc,
+        state: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc, ...], tactic: int,
+    ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
+        heads, key_dim, value_dim = (q.shape_expr[2].constant_value(), q.shape_expr[3].constant_value(),
+                                     v.shape_expr[3].constant_value())  # fmt: skip
+        spec = gated_delta_rule.aot_spec(heads, key_dim, value_dim, torch.float32)
+        compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = q.shape_expr[0]
+        launch.grid_y = heads
+        launch.grid_z = -(-value_dim // spec.constexprs["BLOCK_V"])
+        launch.block_x = compiled.num_warps * 32
+        launch.shared_mem = compiled.shared_bytes
+        scalars = trtp.SymIntExprs(1)
+        scalars[0] = trtp.SymInt32(q.shape_expr[1])  # S
         return compiled.name, compiled.ptx, launch, scalars

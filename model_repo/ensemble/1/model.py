@@ -166,6 +166,8 @@ class TritonPythonModel:
         pieces: list[str] = [job.echo]
         stats: list[object] = []
         try:
+            if job.finished:  # cancelled before its request went out: nothing to run
+                return
             for response in call.exec(decoupled=True):  # type: ignore[attr-defined]
                 if response.has_error():
                     self._end(job, pb_utils.InferenceResponse(error=response.error()))

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
 NOT_YET_SUPPORTED = {
@@ -351,19 +350,24 @@ def check_pair(target: TargetConfig, drafter: DrafterConfig) -> None:
         )
 
 
+def _network_name(name: str) -> str:
+    """A checkpoint tensor's name as the networks call it: `model.` (and qwen3_5's `model.language_model.`) dropped."""
+    return name.removeprefix("model.").removeprefix("language_model.")
+
+
 def skipped_weights(checkpoint_dir: Path) -> list[str]:
     """The weight groups of a checkpoint that are not built (a qwen3_5 vision tower, its MTP head), for the manifest;
     read from the safetensors headers only."""
     found: set[str] = set()
     for path in sorted(checkpoint_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as handle:
-            for name in handle.keys():
-                found.update(p for p in SKIPPED_WEIGHTS if name.removeprefix("model.").startswith(p))
+            found.update(p for name in handle.keys() for p in SKIPPED_WEIGHTS if _network_name(name).startswith(p))
     return sorted(f"{prefix}*" for prefix in found)
 
 
 def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of every *.safetensors file in the directory, with any leading `model.` stripped."""
+    """The tensors the networks are built from, of every *.safetensors file in the directory, under their network
+    names; the weights that are not built (SKIPPED_WEIGHTS) are never read."""
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(
@@ -371,8 +375,8 @@ def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         )
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        for name, tensor in load_file(str(path)).items():
-            name = name.removeprefix("model.").removeprefix("language_model.")  # qwen3_5: model.language_model.*
-            if not name.startswith(SKIPPED_WEIGHTS):
-                state[name] = tensor
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                if not _network_name(name).startswith(SKIPPED_WEIGHTS):
+                    state[_network_name(name)] = handle.get_tensor(name)
     return state

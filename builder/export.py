@@ -73,20 +73,23 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.Mode
     """Trace one fused graph to ONNX (opset 20 + the dflash domain) and attach the dflash function bodies."""
     inputs, axes = example_inputs(spec, name)
     exporter_log = logging.getLogger("torch.onnx")
-    level, exporter_log.level = exporter_log.level, logging.ERROR  # its registry's "torchvision is not installed" lines
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporter's deprecation chatter
-        program = torch.onnx.export(
-            graph_module(graphs, name),
-            inputs,
-            dynamo=True,
-            opset_version=ONNX_OPSET,
-            dynamic_shapes=axes,
-            input_names=[t.name for t in graph_inputs(name, spec.states)],
-            output_names=[t.name for t in graph_outputs(name, spec.states)],
-            verbose=False,
-        )
-    exporter_log.setLevel(level)
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)  # its registry's "torchvision is not installed" lines
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation chatter
+            program = torch.onnx.export(
+                graph_module(graphs, name),
+                inputs,
+                dynamo=True,
+                opset_version=ONNX_OPSET,
+                dynamic_shapes=axes,
+                input_names=[t.name for t in graph_inputs(name, spec.states)],
+                output_names=[t.name for t in graph_outputs(name, spec.states)],
+                verbose=False,
+            )
+    finally:
+        exporter_log.setLevel(level)
     assert program is not None
     model = fold_weight_transposes(program.model_proto)
     return attach_functions(

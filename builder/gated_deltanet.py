@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from dflash_trt.builder.checkpoints import LinearAttentionConfig
+from dflash_trt.builder.layers import rms_norm
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from torch import nn
 
@@ -67,10 +68,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        normed = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (normed * F.silu(gate.to(torch.float32))).to(dtype)
+        return (rms_norm(x, self.weight, self.eps) * F.silu(gate.to(torch.float32))).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):

@@ -14,6 +14,7 @@ position. Every graph runs eagerly as the torch reference engine and exports to 
 from __future__ import annotations
 
 import torch
+from dflash_trt.builder.checkpoints import DrafterConfig, TargetConfig
 from dflash_trt.builder.layers import write_rows
 from dflash_trt.builder.networks import (
     DrafterNetwork,
@@ -27,7 +28,7 @@ from dflash_trt.builder.networks import (
 from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.sampling import accepted_prefix_length, sample_tokens
-from dflash_trt.runtime.states import attention_states, gated_deltanet_states
+from dflash_trt.runtime.states import StateSpec, attention_states, gated_deltanet_states
 from torch import nn
 
 Outputs = tuple[torch.Tensor, ...]
@@ -36,20 +37,26 @@ Outputs = tuple[torch.Tensor, ...]
 def engine_spec(
     target: TargetNetwork, drafter: DrafterNetwork, block_size: int, max_seq_len: int, max_batch_size: int
 ) -> EngineSpec:
-    """The engine description of a loaded pair: sizes and its states (attention K/V of the target, draft context,
-    and for hybrid targets the Gated DeltaNet state and conv window; recurrent states last)."""
+    """The engine description of a loaded pair: its sizes and states."""
     t, d = target.config, drafter.config
     dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
-    positions = max_seq_len + block_size  # a verify block may write up to block_size - 1 rows past the last token
+    states = engine_states(t, d, max_seq_len + block_size, dtype)
+    return EngineSpec(block_size, max_seq_len, max_batch_size, t.vocab_size, d.mask_token_id, dtype, states)
+
+
+def engine_states(t: TargetConfig, d: DrafterConfig, positions: int, dtype: str) -> tuple[StateSpec, ...]:
+    """What an engine keeps per sequence, from the configs alone: attention K/V of the target and the draft context
+    for `positions` rows (max_seq_len + block_size: a verify block may write up to block_size - 1 rows past the last
+    token), and for hybrid targets the Gated DeltaNet state and conv window (recurrent states last)."""
     states = (
         *attention_states("target", len(t.attention_layers), positions, t.num_kv_heads, t.head_dim, dtype),
         *attention_states("draft", d.num_layers, positions, d.num_kv_heads, d.head_dim, dtype),
     )
-    if t.linear is not None:
-        g = t.linear
-        shape = (g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel, g.conv_dim)
-        states += gated_deltanet_states("target", len(t.linear_layers), *shape, dtype)
-    return EngineSpec(block_size, max_seq_len, max_batch_size, t.vocab_size, d.mask_token_id, dtype, states)
+    if t.linear is None:
+        return states
+    g = t.linear
+    shape = (g.num_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel, g.conv_dim)
+    return (*states, *gated_deltanet_states("target", len(t.linear_layers), *shape, dtype))
 
 
 class DFlashGraphs(nn.Module):

@@ -35,16 +35,17 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+        return (rms_normalize(x, self.eps) * (1.0 + self.weight.to(torch.float32))).to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last axis, in fp32 (every RMSNorm variant starts here; they differ in the scaling)."""
+    x32 = x.to(torch.float32)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(input_dtype)
+    return weight * rms_normalize(x, eps).to(x.dtype)
 
 
 class GatedMLP(nn.Module):

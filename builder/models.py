@@ -89,11 +89,10 @@ def fetch_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
     try:
         return Path(snapshot_download(repo_id, allow_patterns=CHECKPOINT_FILES, local_files_only=True))
     except LocalEntryNotFoundError:
-        if offline:
+        if _hub_offline():
             raise CheckpointError(
                 f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: on a machine with hub "
                 f"access run `hf download {repo_id} --local-dir DIR`, copy DIR here, and pass it as a path"

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 
 from dflash_trt.builder.checkpoints import DrafterConfig, TargetConfig
+from dflash_trt.builder.graphs import engine_states
+from dflash_trt.runtime.graph_io import owner
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -67,18 +69,20 @@ class MemoryPlan:
 
 
 def memory_plan(target: TargetConfig, drafter: DrafterConfig, dtype: str, max_seq_len: int, block_size: int) -> MemoryPlan:
-    size = DTYPE_BYTES[dtype]
-    recurrent = 0
-    if target.linear is not None:
-        g = target.linear
-        per_layer = g.num_value_heads * g.key_head_dim * g.value_head_dim * 4 + (g.conv_kernel - 1) * g.conv_dim * size
-        recurrent = len(target.linear_layers) * per_layer
+    """The bytes of the states the engine would hold (`engine_states`, the description the engine itself is built
+    from) and of the weights."""
+    positions = max_seq_len + block_size
+    states = engine_states(target, drafter, positions, dtype)
+
+    def per_token(owner_name: str) -> int:
+        return sum(s.bytes_per_sequence for s in states if s.kind == "positional" and owner(s) == owner_name) // positions
+
     return MemoryPlan(
-        weight_bytes=(target_parameters(target) + drafter_parameters(drafter)) * size,
-        kv_bytes_per_token=len(target.attention_layers) * 2 * target.num_kv_heads * target.head_dim * size,
-        draft_bytes_per_token=drafter.num_layers * 2 * drafter.num_kv_heads * drafter.head_dim * size,
-        recurrent_bytes_per_sequence=recurrent,
-        positions=max_seq_len + block_size,
+        weight_bytes=(target_parameters(target) + drafter_parameters(drafter)) * DTYPE_BYTES[dtype],
+        kv_bytes_per_token=per_token("target"),
+        draft_bytes_per_token=per_token("draft"),
+        recurrent_bytes_per_sequence=sum(s.bytes_per_sequence for s in states if s.kind == "recurrent"),
+        positions=positions,
     )
 
 

@@ -13,6 +13,7 @@ sequence's committed length are stale and masked by position, so nothing is clea
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -39,6 +40,11 @@ class StateSpec:
 
     def pool_shape(self, slots: int) -> tuple[int, ...]:
         return (self.layers, slots, *self.shape)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        """One slot of this state, all layers (a positional state: all its positions)."""
+        return self.layers * math.prod(self.shape) * self.torch_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "shape": list(self.shape)}

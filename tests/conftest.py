@@ -50,15 +50,20 @@ def write_tiny_tokenizer(output_dir: Path, vocab_size: int = 96) -> None:
     PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<s>").save_pretrained(output_dir)
 
 
+def peak_weights(model: torch.nn.Module, std: float) -> None:
+    """Larger-than-default random weights, so a tiny model's logits are peaked enough to be a meaningful check (greedy
+    choices far from ties); norms and Gated DeltaNet decays (A_log, dt_bias) keep their initial values."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not any(part in name for part in ("norm", "A_log", "dt_bias")):
+                param.normal_(0.0, std)
+
+
 def write_tiny_target(model_type: str, output_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = CONFIGS[model_type]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Larger-than-default weights make the tiny model's logits peaked enough to be a meaningful check.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.08)
+    peak_weights(model, 0.08)
     model.save_pretrained(output_dir)
     write_tiny_tokenizer(output_dir, config.vocab_size)
     return output_dir

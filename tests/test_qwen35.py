@@ -21,7 +21,7 @@ from dflash_trt.runtime.engine import GraphEngine, TorchRunner
 from dflash_trt.runtime.loop import generate
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from tests.conftest import write_tiny_drafter, write_tiny_tokenizer
+from tests.conftest import peak_weights, write_tiny_drafter, write_tiny_tokenizer
 
 VOCAB = 96
 TEXT_CONFIG = dict(
@@ -55,14 +55,6 @@ PROMPTS = 20
 NEW_TOKENS = 64
 
 
-def _peaked(model: torch.nn.Module) -> None:
-    """Larger-than-default random weights (norms, decays and biases left alone), so greedy choices are not near-ties."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not any(part in name for part in ("norm", "A_log", "dt_bias")):
-                param.normal_(0.0, 0.08)
-
-
 @pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random qwen3_5 checkpoint saved as published: the vision-language wrapper, text weights under
@@ -70,7 +62,7 @@ def qwen35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = Qwen3_5Config(text_config=TEXT_CONFIG, vision_config=TINY_VISION, tie_word_embeddings=False)
     model = Qwen3_5ForConditionalGeneration(config)
-    _peaked(model)
+    peak_weights(model, 0.08)
     directory = tmp_path_factory.mktemp("qwen35") / "target"
     model.save_pretrained(directory)
     write_tiny_tokenizer(directory, VOCAB)

@@ -21,7 +21,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from tests.conftest import write_tiny_drafter
+from tests.conftest import peak_weights, write_tiny_drafter
 
 VOCAB = 4
 NEW_TOKENS = 3
@@ -48,10 +48,7 @@ def _pair(root: Path, config: PretrainedConfig, seed: int) -> tuple[Path, GraphE
     drafter, and their torch engine with block size 4."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not any(part in name for part in ("norm", "A_log", "dt_bias")):
-                param.normal_(0.0, 0.3)
+    peak_weights(model, 0.3)
     model.save_pretrained(root / "target")
     drafter = load_drafter(write_tiny_drafter(root / "target", root / "drafter"))
     engine = torch_engine(load_target(root / "target", drafter.config.target_layer_ids), drafter, 32, block_size=4)

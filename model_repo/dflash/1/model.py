@@ -200,7 +200,8 @@ class TritonPythonModel:
             self._drop_cancelled()
             if self.scheduler.busy:
                 self._step()
-            self._record_state()
+            else:
+                self._record_state()  # (idle: a cancel or a failure may have freed slots)
 
     def _step(self) -> None:
         try:
@@ -210,6 +211,8 @@ class TritonPythonModel:
         except Exception as error:  # an engine failure fails the batch it hit, never the server
             self._fail_all(error)
             return
+        finally:
+            self._record_state()  # before any response: a client that sees its tokens sees the gauges they imply
         for sequence, tokens in emitted:
             client = self.clients.get(id(sequence))
             if client is None:

@@ -118,6 +118,10 @@ class TritonPythonModel:
         self.watcher.start()
 
     def execute(self, requests: list) -> None:
+        """Decoupled: start each request's thread and return. Unary: the same, then wait for this batch's threads
+        (a unary answer sent after `execute` returned was once never delivered; Triton's dynamic batcher groups the
+        requests that arrive meanwhile into the next call)."""
+        threads = []
         for request in requests:
             sender = request.get_response_sender()
             try:
@@ -128,7 +132,11 @@ class TritonPythonModel:
                 continue
             with self.jobs_lock:
                 self.jobs[job.key] = job
-            threading.Thread(target=self._run, args=(job, call), name=job.key, daemon=True).start()
+            threads.append(threading.Thread(target=self._run, args=(job, call), name=job.key, daemon=True))
+            threads[-1].start()
+        if not self.decoupled:
+            for thread in threads:
+                thread.join()
         return None
 
     def finalize(self) -> None:
@@ -150,7 +158,7 @@ class TritonPythonModel:
         echo = "" if streaming or _scalar(request, "exclude_input_in_output", False) else text
         job = Job(request, sender, next(self.ids), streaming, echo)
         inputs = [pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int64))]
-        inputs.append(pb_utils.Tensor("stream", np.array([[True]])))  # step by step, so a stop is seen at once
+        inputs.append(pb_utils.Tensor("stream", np.array([[streaming]])))  # not streaming: one response at the end
         for name in FORWARDED:
             array = _input(request, name)
             if array is not None:

@@ -23,6 +23,7 @@ from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.plan import describe, memory_plan, parse_bytes
+from dflash_trt.builder.quantize import check_mode, manifest_record
 from dflash_trt.builder.repository import (
     ENGINE_DIR,
     TOKENIZER_DIR,
@@ -67,6 +68,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", *DTYPES),
         default="auto",
         help="engine precision (auto: float32 on CPU, the checkpoint's on GPU)",
+    )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        metavar="MODE",
+        help="weight quantization of the linear layers: none | int8 | int4 (ONNX Runtime, MatMulNBits; "
+        "docs/quantization.md has the policy and measured quality)",
     )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
@@ -127,6 +135,7 @@ def build(args: argparse.Namespace) -> Path | None:
         print_plan(args, target_config, drafter_config)
         return None
     backend = choose_backend(args.backend)
+    quantization = check_mode(args.quantize, backend)
     if target_config.linear is not None and backend == "tensorrt":
         raise CheckpointError(
             f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) build for ONNX Runtime "
@@ -160,7 +169,8 @@ def build(args: argparse.Namespace) -> Path | None:
         copy_tokenizer(target_dir, repo)
         engine_dir = repo / "dflash" / "1" / ENGINE_DIR
         engine_dir.mkdir(parents=True)
-        paths = export_engines_onnx(DFlashGraphs(target, drafter, block_size, spec.positions).eval(), spec, engine_dir)
+        graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
+        paths = export_engines_onnx(graphs, spec, engine_dir, quantization=quantization)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)
@@ -169,6 +179,7 @@ def build(args: argparse.Namespace) -> Path | None:
             "backend": backend,
             "engine": spec.to_json(),
             "session": asdict(settings),
+            "quantization": manifest_record(quantization),
             "tap_layer_ids": list(drafter.config.target_layer_ids),
             "eos_token_ids": list(target.config.eos_token_ids),
             "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir),

@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 import torch
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
+from dflash_trt.builder.quantize import MODES, QuantizationMode, quantize_graph
 from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
 from dflash_trt.runtime.engine import EngineSpec
@@ -158,9 +159,14 @@ def _point_to(tensor: onnx.TensorProto, offset: int, length: int) -> None:
 
 
 def export_engines_onnx(
-    graphs: DFlashGraphs, spec: EngineSpec, directory: Path, log: Callable[[str], None] | None = None
+    graphs: DFlashGraphs,
+    spec: EngineSpec,
+    directory: Path,
+    log: Callable[[str], None] | None = None,
+    quantization: QuantizationMode = MODES["none"],
 ) -> list[Path]:
-    """Export every graph of GRAPH_NAMES into `directory` (which must exist); returns the graph paths."""
+    """Export every graph of GRAPH_NAMES into `directory` (which must exist), its linear layers quantized as
+    `quantization` says; returns the graph paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
     models = {}
     for name in GRAPH_NAMES:
@@ -168,5 +174,9 @@ def export_engines_onnx(
         say(f"[dflash-build] exporting the {name} graph to ONNX ...")
         models[name] = export_graph(graphs, spec, name)
         say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
+        if quantization.bits:
+            began = time.perf_counter()
+            models[name] = quantize_graph(models[name], quantization, spec.vocab_size)
+            say(f"[dflash-build]   {name}: linear layers quantized ({quantization.name}) in {time.perf_counter() - began:.1f} s")
     save_with_shared_weights(models, directory)
     return [directory / f"{name}.onnx" for name in models]

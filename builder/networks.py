@@ -33,6 +33,7 @@ from dflash_trt.builder.layers import (
     masked_attention,
     rope_inverse_frequencies,
     rotary_cos_sin,
+    write_rows,
 )
 from dflash_trt.plugins.block_denoise import block_denoise
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap
@@ -114,13 +115,12 @@ class KVCache:
         self.v[:, batch_rows, positions] = v.to(self.v.dtype)
 
 
-def past_visibility(positions: torch.Tensor, past_rows: int) -> torch.Tensor:
-    """positions: [B, S] contiguous from each row's start -> visible [B, S, R + S] over [past rows ; new rows]:
-    past row t is visible iff t < start (later rows are stale), new rows causally."""
-    batch, length = positions.shape
-    past = torch.arange(past_rows, device=positions.device)[None, None, :] < positions[:, :1, None]  # [B, 1, R]
-    causal = torch.ones(length, length, dtype=torch.bool, device=positions.device).tril()  # [S, S]
-    return torch.cat([past.expand(batch, length, past_rows), causal.expand(batch, length, length)], dim=-1)
+def key_visibility(positions: torch.Tensor, past_rows: int) -> torch.Tensor:
+    """positions: [B, S] contiguous from each row's start -> visible [B, S, R + S] over position-indexed keys (the
+    past rows with the new rows written at their positions, `write_rows`): key t is visible to the token at
+    position p iff t <= p. Rows at or past a row's start hold new keys or are stale; the stale ones lie past p."""
+    keys = torch.arange(past_rows + positions.shape[1], device=positions.device)  # [R + S]
+    return keys[None, None, :] <= positions[:, :, None]
 
 
 class RecurrentState(NamedTuple):
@@ -160,11 +160,13 @@ class TargetAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        positions: torch.Tensor,
         visible: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, S, E]; visible: [B, S, R + S]; past_k/v: [B, R, Hkv, D] position-indexed -> (out, k, v [B, S, Hkv, D])."""
+        """x: [B, S, E]; positions: [B, S]; visible: [B, S, R + S]; past_k/v: [B, R, Hkv, D] position-indexed
+        -> (out, k, v [B, S, Hkv, D])."""
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim * (2 if self.gated else 1)))  # [B, S, H, D or 2D]
         q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)  # [B, S, H, D] each
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
@@ -172,7 +174,10 @@ class TargetAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys, values = torch.cat([past_k, k], dim=1), torch.cat([past_v, v], dim=1)  # [B, R+S, Hkv, D]
+        # Keys in position order, the new ones written over the stale past rows: the token at position p then sums
+        # over keys 0..p in the same order whatever the block (a plain decode step or a verify block), so its
+        # attention output does not depend on how tokens were grouped into calls (bitwise, on ONNX Runtime).
+        keys, values = write_rows(past_k, k, positions), write_rows(past_v, v, positions)  # [B, R + S, Hkv, D]
         out = masked_attention(q, keys, values, visible, self.head_dim**-0.5)  # [B, S, H*D]
         if gate is not None:
             out = out * torch.sigmoid(gate.flatten(-2))
@@ -194,11 +199,12 @@ class TargetLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        positions: torch.Tensor,
         visible: torch.Tensor,
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, visible, past_k, past_v)
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, positions, visible, past_k, past_v)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
@@ -285,8 +291,8 @@ class TargetNetwork(nn.Module):
             else:
                 past_k, past_v = past.layer(len(new_k))
                 if visible is None:
-                    visible = past_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
-                x, k, v = layer(x, cos, sin, visible, past_k, past_v)
+                    visible = key_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
+                x, k, v = layer(x, cos, sin, positions, visible, past_k, past_v)
                 new_k.append(k)
                 new_v.append(v)
             if index in self.tap_layer_ids and index != last:

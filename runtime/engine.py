@@ -131,6 +131,11 @@ class GraphEngine:
 
     def run(self, graph: str, batch: StepBatch) -> StepResult:
         """graph: "step" | "verify" | "decode" over the batch's slots; writes the computed rows into the pool."""
+        out = self.call(graph, batch)
+        return StepResult(out["target_tokens"], out["accept_len"], out["next_block"], out["next_start"])
+
+    def call(self, graph: str, batch: StepBatch) -> dict[str, torch.Tensor]:
+        """`run`, returning every output the runner gave (a runner may give more than the graph schema's)."""
         visible = self._visible_rows(int(batch.start.max()))
         inputs = {
             "draft_slots": self._carrier(max(batch.drafts, 1)),
@@ -145,7 +150,7 @@ class GraphEngine:
         out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in self._input_names[graph]})
         positions = batch.start[:, None] + torch.arange(batch.block.shape[1])  # [B, V]
         self._write_rows(out, batch.slots, positions)
-        return StepResult(out["target_tokens"], out["accept_len"], out["next_block"], out["next_start"])
+        return out
 
     def _visible_rows(self, largest_start: int) -> torch.Tensor:
         """A shape carrier of length R >= largest_start, rounded up to ROW_BUCKET (at most the pool's positions)."""

@@ -1,0 +1,127 @@
+"""dflash-build --quantize: weight-only quantization of the exported graphs' linear layers, with ONNX Runtime's own
+operator (`com.microsoft.MatMulNBits`) and its own tooling (`MatMulNBitsQuantizer`), applied after export.
+
+Policy (the same for the target's and the drafter's linear layers; the drafter's LM head is the target's):
+- Linear layers (attention, MLP, the drafter's tap projection `fc`): `bits`-bit weights in blocks of BLOCK_SIZE
+  along the input axis, one float32 scale per block, symmetric (no zero points), round to nearest.
+- The LM head: 8-bit in every mode (4-bit argmax flips cost more than its bytes save; llama.cpp keeps its output
+  layer at 6 bits or more for the same reason).
+- Embeddings stay float32: a lookup reads one row per token, there is no arithmetic to save.
+- Activations, the hidden-state taps the drafter is conditioned on, the K/V states and every norm stay float32.
+  The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
+  float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
+  its call, and DFlash stays bitwise equal to plain decoding on the same quantized engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+BLOCK_SIZE = 32  # weights per scale along the input axis (llama.cpp's Q8_0 / Q4_0 blocks are 32 too)
+ACCURACY_LEVEL = 4  # MatMulNBits: quantize the input rows to int8 and use int8 dot products
+LM_HEAD_BITS = 8
+
+
+@dataclass(frozen=True)
+class QuantizationMode:
+    name: str
+    backend: str  # the backend whose operators the graphs use ("" = any)
+    bits: int  # linear-layer weight bits (0 = not quantized)
+    summary: str
+
+
+MODES = {
+    mode.name: mode
+    for mode in (
+        QuantizationMode("none", "", 0, "float weights (the --dtype)"),
+        QuantizationMode("int8", "onnxruntime", 8, "8-bit block-wise weights (MatMulNBits), int8 dot products"),
+        QuantizationMode("int4", "onnxruntime", 4, "4-bit block-wise weights (MatMulNBits), 8-bit LM head"),
+        QuantizationMode("fp8", "tensorrt", 8, "E4M3 weights and activations (Q/DQ): not built yet"),
+        QuantizationMode("int4-awq", "tensorrt", 4, "4-bit block-wise weights (DQ), activation-aware: not built yet"),
+    )
+}
+NOT_BUILT = ("fp8", "int4-awq")  # TensorRT's Q/DQ forms: named so that they are refused clearly
+
+
+def check_mode(name: str, backend: str) -> QuantizationMode:
+    """The mode, or a ValueError naming what runs where."""
+    mode = MODES.get(name)
+    if mode is None:
+        raise ValueError(f"--quantize {name!r} is not a mode; choose one of {', '.join(MODES)}")
+    if mode.backend and mode.backend != backend:
+        runs_here = ", ".join(m.name for m in MODES.values() if m.backend in ("", backend))
+        raise ValueError(
+            f"--quantize {name} builds {mode.backend} operators, and this build's backend is {backend}: "
+            f"pass --backend {mode.backend}, or one of the {backend} modes ({runs_here})"
+        )
+    if name in NOT_BUILT:
+        raise ValueError(
+            f"--quantize {name} ({mode.summary}) is not built yet: its Q/DQ export for TensorRT's ONNX parser needs "
+            "calibration and a TensorRT to check against, and neither exists here (docs/quantization.md)"
+        )
+    return mode
+
+
+def manifest_record(mode: QuantizationMode) -> dict[str, object]:
+    """What the engine manifest says about the quantization (the policy of this module's docstring, as data)."""
+    if mode.bits == 0:
+        return {"mode": mode.name}
+    return {
+        "mode": mode.name,
+        "summary": mode.summary,
+        "bits": mode.bits,
+        "operator": "com.microsoft.MatMulNBits",
+        "block_size": BLOCK_SIZE,
+        "symmetric": True,
+        "accuracy_level": ACCURACY_LEVEL,
+        "lm_head_bits": LM_HEAD_BITS,
+        "embeddings": "float32",
+        "activations_and_taps": "float32",
+    }
+
+
+def lm_head_nodes(model: onnx.ModelProto, vocab_size: int) -> list[str]:
+    """MatMul nodes whose constant right operand is a [hidden, vocab] matrix: the LM head (target and drafter)."""
+    shapes = {tensor.name: tuple(tensor.dims) for tensor in model.graph.initializer}
+    return [
+        node.name
+        for node in model.graph.node
+        if node.op_type == "MatMul" and len(shapes.get(node.input[1], ())) == 2 and shapes[node.input[1]][1] == vocab_size
+    ]
+
+
+def quantize_graph(model: onnx.ModelProto, mode: QuantizationMode, vocab_size: int) -> onnx.ModelProto:
+    """Every MatMul with a constant 2-D weight -> MatMulNBits (LM head at LM_HEAD_BITS). Deterministic, so the
+    graphs of one engine still share each quantized weight in weights.bin."""
+    if mode.bits == 0:
+        return model
+    quantizer_class = _matmul_nbits_quantizer()
+    quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.WARNING)  # one INFO line per node it leaves alone
+    settings = {"block_size": BLOCK_SIZE, "is_symmetric": True, "accuracy_level": ACCURACY_LEVEL}
+    try:
+        head = lm_head_nodes(model, vocab_size)
+        for bits, exclude in ((mode.bits, head), (LM_HEAD_BITS, [])):  # pass 2: the head is the only float MatMul left
+            quantizer = quantizer_class(model, bits=bits, nodes_to_exclude=exclude, **settings)
+            quantizer.process()
+            model = quantizer.model.model
+    finally:
+        quantizer_log.setLevel(level)
+    return model
+
+
+def _matmul_nbits_quantizer() -> Any:
+    """ONNX Runtime's MatMulNBitsQuantizer class. Its module calls logging.basicConfig(level=INFO) when imported,
+    which would turn on every library's INFO lines (the ONNX exporter's among them): the root logger is put back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return MatMulNBitsQuantizer

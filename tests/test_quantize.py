@@ -1,0 +1,128 @@
+"""dflash-build --quantize: the graphs hold ONNX Runtime's quantized operator (not a float graph under a new name),
+DFlash equals plain decoding on the same quantized engine bit for bit (tokens and the K/V rows they leave),
+sampling through DFlash follows the quantized target's own distribution, and bad modes fail at build time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.export import all_nodes
+from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES
+from dflash_trt.runtime.graph_io import GRAPH_NAMES
+from dflash_trt.runtime.loop import generate, generate_plain
+from dflash_trt.runtime.quality import block_logits, logits_engine
+from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.runtime.scheduler import FixedVerify
+from transformers import Qwen3Config
+
+from tests.conftest import write_tiny_tokenizer
+from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, VOCAB, _chi_square_p, _dflash_counts, _pair
+
+CPU_MODES = [name for name, mode in MODES.items() if mode.backend == "onnxruntime"]
+
+
+def _build(target: Path, drafter: Path, output: Path, *options: str) -> Path:
+    command = ["--model", str(target), "--drafter", str(drafter), "--output", str(output), "--backend", "onnxruntime"]
+    assert dflash_build([*command, *options]) == 0
+    return output
+
+
+@pytest.fixture(scope="module", params=CPU_MODES)
+def quantized_repo(
+    request: pytest.FixtureRequest, tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path]:
+    output = tmp_path_factory.mktemp(f"quantized-{request.param}") / "repo"
+    return request.param, _build(
+        tiny_targets["qwen3"], trained_drafter, output, "--max-seq-len", "256", "--quantize", request.param
+    )
+
+
+def test_graphs_hold_quantized_operators(quantized_repo: tuple[str, Path], tiny_repo: Path) -> None:
+    mode, repo = quantized_repo
+    engine_dir = repo / "dflash" / "1" / "engine"
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    assert manifest["quantization"]["mode"] == mode and manifest["quantization"]["lm_head_bits"] == LM_HEAD_BITS
+    vocab = manifest["engine"]["vocab_size"]
+    for name in GRAPH_NAMES:
+        model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
+        nodes = all_nodes(model.graph)
+        weights = {tensor.name for tensor in model.graph.initializer if len(tensor.dims) == 2}
+        assert [n.name for n in nodes if n.op_type == "MatMul" and n.input[1] in weights] == [], f"{name}: float linear layers"
+        quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
+        assert quantized and all(n.domain == "com.microsoft" for n in quantized)
+        bits = {(attribute(n, "N") == vocab, attribute(n, "bits")) for n in quantized}
+        assert bits == {(False, MODES[mode].bits), (True, LM_HEAD_BITS)}, f"{name}: (is LM head, bits) {bits}"
+        assert {attribute(n, "accuracy_level") for n in quantized} == {4}
+    quantized_bytes = (engine_dir / "weights.bin").stat().st_size
+    assert quantized_bytes < (tiny_repo / "dflash" / "1" / "engine" / "weights.bin").stat().st_size
+
+
+def attribute(node: onnx.NodeProto, name: str) -> int:
+    return next(int(a.i) for a in node.attribute if a.name == name)
+
+
+def test_dflash_equals_plain_decoding_bit_for_bit(quantized_repo: tuple[str, Path]) -> None:
+    """Verifying whole blocks leaves the same tokens and the same target K/V rows as one-token plain decoding: each
+    token's computation does not depend on the others in its call (int8-input kernels would amplify a 1-ulp
+    difference into a different rounding, so an engine that is only approximately row-independent fails here)."""
+    _, repo = quantized_repo
+    plain, _ = load_engine(repo, max_batch=1)
+    dflash, _ = load_engine(repo, max_batch=1)
+    accepted = 0
+    for seed in range(4):
+        prompt = torch.randint(1, 90, (12 + seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        expected = generate_plain(plain, prompt, 48)
+        result = generate(dflash, prompt, 48, policy=FixedVerify(dflash.block_size - 1))
+        assert result.tokens == expected.tokens, f"prompt {seed}"
+        accepted += result.stats.accepted_draft_tokens
+        written = len(prompt) + len(expected.tokens) - 1  # the last token's rows are written by the next step
+        for state in ("target_k", "target_v"):
+            rows_plain = plain.pool.tensors[state][:, 0, :written]
+            rows_dflash = dflash.pool.tensors[state][:, 0, :written]
+            assert torch.equal(rows_plain, rows_dflash), (
+                f"prompt {seed}: {state} differs by {(rows_plain - rows_dflash).abs().max()}"
+            )
+    assert accepted > 20, "drafts were hardly accepted: multi-token verify blocks were not exercised"
+
+
+@pytest.mark.slow
+def test_sampling_on_a_quantized_engine_follows_its_own_target(tmp_path: Path) -> None:
+    """Quantization changes the target; DFlash must not change it further: the first tokens sampled through DFlash
+    on an int4 engine follow the distribution of that engine's own logits (chi-square)."""
+    target_dir, _ = _pair(tmp_path, Qwen3Config(**SHARED, bos_token_id=0), seed=4)
+    write_tiny_tokenizer(target_dir, VOCAB)
+    options = ("--block-size", "4", "--max-seq-len", "32", "--max-batch-size", "1", "--quantize", "int4")
+    repo = _build(target_dir, tmp_path / "drafter", tmp_path / "repo", *options)
+    engine, _ = load_engine(repo)
+    counts, accepted = _dflash_counts(engine, SamplingParams(1.0))
+    assert accepted > counts.sum() // 20, "the acceptance path was hardly exercised"
+    assert _chi_square_p(counts, _engine_distribution(repo)) > 1e-3
+
+
+def _engine_distribution(repo: Path) -> np.ndarray:
+    """[V]*NEW_TOKENS probabilities of the first tokens at T=1 under the quantized engine's own logits."""
+    engine = logits_engine(repo, threads=None)
+
+    def probs(prefix: list[int]) -> np.ndarray:
+        return torch.softmax(block_logits(engine, PROMPT + prefix)[-1].double(), -1).numpy()
+
+    table = np.zeros((VOCAB,) * NEW_TOKENS)
+    for index in np.ndindex(*table.shape):
+        table[index] = np.prod([probs(list(index[:i]))[index[i]] for i in range(NEW_TOKENS)])
+    return table
+
+
+def test_bad_modes_fail_at_build_time(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path: Path, capsys) -> None:
+    base = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--output", str(tmp_path / "r")]
+    assert dflash_build([*base, "--quantize", "int3"]) == 2
+    assert "--quantize 'int3' is not a mode; choose one of none, int8, int4" in capsys.readouterr().err
+    assert dflash_build([*base, "--quantize", "fp8", "--backend", "onnxruntime"]) == 2
+    assert "--quantize fp8 builds tensorrt operators, and this build's backend is onnxruntime" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -108,9 +108,10 @@ def print_plan(args: argparse.Namespace, target: TargetConfig, drafter: DrafterC
     block = args.block_size or drafter.block_size
     dtype = args.dtype if args.dtype != "auto" else str(target.dtype).removeprefix("torch.")
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    plan = memory_plan(target, drafter, dtype, args.max_seq_len, block)
+    quantization = check_mode(args.quantize, choose_backend(args.backend))
+    plan = memory_plan(target, drafter, dtype, args.max_seq_len, block, quantization)
     print(f"[dflash-build] plan for {args.model} (block {block}, --max-seq-len {args.max_seq_len}):")
-    print(describe(plan, dtype, args.max_seq_len, memory))
+    print(describe(plan, dtype, args.max_seq_len, memory, quantization.name))
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:

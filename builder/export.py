@@ -176,7 +176,7 @@ def export_engines_onnx(
         say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
         if quantization.bits:
             began = time.perf_counter()
-            models[name] = quantize_graph(models[name], quantization, spec.vocab_size)
+            models[name] = quantize_graph(models[name], quantization)
             say(f"[dflash-build]   {name}: linear layers quantized ({quantization.name}) in {time.perf_counter() - began:.1f} s")
     save_with_shared_weights(models, directory)
     return [directory / f"{name}.onnx" for name in models]

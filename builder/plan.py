@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dflash_trt.builder.checkpoints import DrafterConfig, TargetConfig
 from dflash_trt.builder.graphs import engine_states
+from dflash_trt.builder.quantize import BLOCK_SIZE, LM_HEAD_BITS, MODES, QuantizationMode
 from dflash_trt.runtime.graph_io import owner
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -31,18 +32,41 @@ def parse_bytes(text: str) -> int:
 def target_parameters(c: TargetConfig) -> int:
     e, d, mlp = c.hidden_size, c.head_dim, 3 * c.hidden_size * c.intermediate_size
     norms = 2 * e
-    query = c.num_heads * d * (2 if c.gated_attention else 1)
-    attention = e * query + 2 * e * c.num_kv_heads * d + c.num_heads * d * e + (2 * d if c.qk_norm else 0)
+    attention = target_attention_matrices(c) + (2 * d if c.qk_norm else 0)
     if c.qkv_bias:
-        attention += query + 2 * c.num_kv_heads * d
+        attention += c.num_heads * d * (2 if c.gated_attention else 1) + 2 * c.num_kv_heads * d
     total = len(c.attention_layers) * (attention + mlp + norms)
     if c.linear is not None:
         g = c.linear
-        mixer = e * g.conv_dim + e * g.value_dim + 2 * e * g.num_value_heads + g.conv_dim * g.conv_kernel
-        mixer += 2 * g.num_value_heads + g.value_head_dim + g.value_dim * e  # dt_bias, A_log, gated norm, out_proj
+        mixer = target_linear_mixer_matrices(c) + g.conv_dim * g.conv_kernel
+        mixer += 2 * g.num_value_heads + g.value_head_dim  # dt_bias, A_log, gated norm
         total += len(c.linear_layers) * (mixer + mlp + norms)
     embeddings = c.vocab_size * e * (1 if c.tie_word_embeddings else 2)
     return total + embeddings + e
+
+
+def target_attention_matrices(c: TargetConfig) -> int:
+    """Weights of one attention layer's projections (q [and gate], k, v, o)."""
+    e, d = c.hidden_size, c.head_dim
+    return e * c.num_heads * d * (2 if c.gated_attention else 1) + 2 * e * c.num_kv_heads * d + c.num_heads * d * e
+
+
+def target_linear_mixer_matrices(c: TargetConfig) -> int:
+    """Weights of one Gated DeltaNet layer's projections (in_proj_qkv, z, b, a; out_proj)."""
+    assert c.linear is not None
+    g, e = c.linear, c.hidden_size
+    return e * g.conv_dim + e * g.value_dim + 2 * e * g.num_value_heads + g.value_dim * e
+
+
+def matrix_parameters(target: TargetConfig, drafter: DrafterConfig) -> int:
+    """The weights that --quantize quantizes: every linear layer's matrix but the LM head (embeddings excluded)."""
+    mlp = 3 * target.hidden_size * target.intermediate_size
+    total = len(target.attention_layers) * (target_attention_matrices(target) + mlp)
+    if target.linear is not None:
+        total += len(target.linear_layers) * (target_linear_mixer_matrices(target) + mlp)
+    e, d = drafter.hidden_size, drafter.head_dim
+    attention = e * drafter.num_heads * d + 2 * e * drafter.num_kv_heads * d + drafter.num_heads * d * e
+    return total + len(drafter.target_layer_ids) * e * e + drafter.num_layers * (attention + 3 * e * drafter.intermediate_size)
 
 
 def drafter_parameters(c: DrafterConfig) -> int:
@@ -50,6 +74,20 @@ def drafter_parameters(c: DrafterConfig) -> int:
     attention = e * c.num_heads * d + 2 * e * c.num_kv_heads * d + c.num_heads * d * e + 2 * d
     layer = attention + 3 * e * c.intermediate_size + 2 * e
     return len(c.target_layer_ids) * e * e + e + c.num_layers * layer + e  # fc, hidden_norm, layers, norm
+
+
+def weight_bytes(target: TargetConfig, drafter: DrafterConfig, dtype: str, quantization: QuantizationMode) -> int:
+    """Bytes of the built weights: the LM head is stored apart from the embedding (transposed) even when tied; a
+    quantized matrix costs bits/8 per weight plus one float32 scale per BLOCK_SIZE weights."""
+    head = target.vocab_size * target.hidden_size
+    matrices = matrix_parameters(target, drafter)
+    rest = target_parameters(target) + drafter_parameters(drafter) - matrices - head * (1 if target.tie_word_embeddings else 2)
+    if quantization.bits == 0:
+        return (rest + head + matrices + head) * DTYPE_BYTES[dtype]
+    scale = 4 / BLOCK_SIZE
+    return int(
+        (rest + head) * DTYPE_BYTES[dtype] + matrices * (quantization.bits / 8 + scale) + head * (LM_HEAD_BITS / 8 + scale)
+    )
 
 
 @dataclass(frozen=True)
@@ -68,7 +106,14 @@ class MemoryPlan:
         return max(0, (memory_bytes - self.weight_bytes) // self.bytes_per_sequence)
 
 
-def memory_plan(target: TargetConfig, drafter: DrafterConfig, dtype: str, max_seq_len: int, block_size: int) -> MemoryPlan:
+def memory_plan(
+    target: TargetConfig,
+    drafter: DrafterConfig,
+    dtype: str,
+    max_seq_len: int,
+    block_size: int,
+    quantization: QuantizationMode = MODES["none"],
+) -> MemoryPlan:
     """The bytes of the states the engine would hold (`engine_states`, the description the engine itself is built
     from) and of the weights."""
     positions = max_seq_len + block_size
@@ -78,7 +123,7 @@ def memory_plan(target: TargetConfig, drafter: DrafterConfig, dtype: str, max_se
         return sum(s.bytes_per_sequence for s in states if s.kind == "positional" and owner(s) == owner_name) // positions
 
     return MemoryPlan(
-        weight_bytes=(target_parameters(target) + drafter_parameters(drafter)) * DTYPE_BYTES[dtype],
+        weight_bytes=weight_bytes(target, drafter, dtype, quantization),
         kv_bytes_per_token=per_token("target"),
         draft_bytes_per_token=per_token("draft"),
         recurrent_bytes_per_sequence=sum(s.bytes_per_sequence for s in states if s.kind == "recurrent"),
@@ -94,9 +139,10 @@ def _human(count: float) -> str:
     raise AssertionError("unreachable")
 
 
-def describe(plan: MemoryPlan, dtype: str, max_seq_len: int, memory_bytes: int | None) -> str:
+def describe(plan: MemoryPlan, dtype: str, max_seq_len: int, memory_bytes: int | None, quantization: str = "none") -> str:
+    weights = dtype if quantization == "none" else f"{quantization} linear layers, {dtype} embeddings"
     rows = [
-        (f"weights ({dtype}, target + drafter)", _human(plan.weight_bytes)),
+        (f"weights ({weights}, target + drafter)", _human(plan.weight_bytes)),
         ("target attention K/V per token", _human(plan.kv_bytes_per_token)),
         ("drafter context K/V per token", _human(plan.draft_bytes_per_token)),
         ("recurrent state per sequence", _human(plan.recurrent_bytes_per_sequence)),

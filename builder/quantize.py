@@ -84,17 +84,23 @@ def manifest_record(mode: QuantizationMode) -> dict[str, object]:
     }
 
 
-def lm_head_nodes(model: onnx.ModelProto, vocab_size: int) -> list[str]:
-    """MatMul nodes whose constant right operand is a [hidden, vocab] matrix: the LM head (target and drafter)."""
-    shapes = {tensor.name: tuple(tensor.dims) for tensor in model.graph.initializer}
-    return [
-        node.name
+def lm_head_nodes(model: onnx.ModelProto) -> list[str]:
+    """MatMul nodes applying the LM head (the target's, and the drafter's use of it): those whose weight is the
+    `lm_head` parameter, or the embedding when tied, as the exporter recorded in each node's metadata, and every
+    MatMul sharing that weight. (A weight's shape cannot tell: a projection may have as many outputs as the vocab.)"""
+    head_parameters = ("lm_head_weight", "embed_tokens_weight")
+    traced = [
+        node
         for node in model.graph.node
-        if node.op_type == "MatMul" and len(shapes.get(node.input[1], ())) == 2 and shapes[node.input[1]][1] == vocab_size
-    ]
+        if node.op_type == "MatMul"
+        and any(p.key == "pkg.torch.onnx.fx_node" and p.value.split("args = (")[-1].split(")")[0].endswith(head_parameters)
+                for p in node.metadata_props)
+    ]  # fmt: skip
+    weights = {node.input[1] for node in traced}
+    return [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in weights]
 
 
-def quantize_graph(model: onnx.ModelProto, mode: QuantizationMode, vocab_size: int) -> onnx.ModelProto:
+def quantize_graph(model: onnx.ModelProto, mode: QuantizationMode) -> onnx.ModelProto:
     """Every MatMul with a constant 2-D weight -> MatMulNBits (LM head at LM_HEAD_BITS). Deterministic, so the
     graphs of one engine still share each quantized weight in weights.bin."""
     if mode.bits == 0:
@@ -105,7 +111,7 @@ def quantize_graph(model: onnx.ModelProto, mode: QuantizationMode, vocab_size: i
     quantizer_log.setLevel(logging.WARNING)  # one INFO line per node it leaves alone
     settings = {"block_size": BLOCK_SIZE, "is_symmetric": True, "accuracy_level": ACCURACY_LEVEL}
     try:
-        head = lm_head_nodes(model, vocab_size)
+        head = lm_head_nodes(model)
         for bits, exclude in ((mode.bits, head), (LM_HEAD_BITS, [])):  # pass 2: the head is the only float MatMul left
             quantizer = quantizer_class(model, bits=bits, nodes_to_exclude=exclude, **settings)
             quantizer.process()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
+from dflash_trt.runtime.quality import engine_bytes
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -255,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     plain_outputs = [r.tokens for r in runs.plain]
     results: dict[str, Any] = {
         "backend": manifest["backend"],
+        "quantization": manifest.get("quantization", {"mode": "none"})["mode"],
+        "engine_bytes": engine_bytes(args.repo),
         "dataset": args.dataset,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
@@ -290,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         results["zlab_ttft_ms_median"] = statistics.median(zlab.ttfts) * 1e3
         results["dflash_over_zlab"] = statistics.median(dflash_rates) / results["zlab_tok_s_median"]
         results["zlab_identical"] = zlab.outputs == plain_outputs if greedy else "n/a (T>0)"
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process: engine, pool, baselines
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -37,15 +37,18 @@ DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "docs"
 
 
 def lm_head_output(model: onnx.ModelProto, vocab_size: int) -> str:
-    """The output of the matmul producing [.., vocab] logits: a float MatMul with a [hidden, vocab] weight, or a
-    MatMulNBits with N = vocab."""
+    """The output of the decode graph's LM head: its last matmul with `vocab_size` outputs (a float MatMul with a
+    [hidden, vocab] weight, or a MatMulNBits with N = vocab; a projection may be as wide, but comes earlier)."""
     shapes = {tensor.name: tuple(tensor.dims) for tensor in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and any(a.name == "N" and a.i == vocab_size for a in node.attribute):
-            return str(node.output[0])
-        if node.op_type == "MatMul" and shapes.get(node.input[1], (0, 0))[-1:] == (vocab_size,):
-            return str(node.output[0])
-    raise ValueError(f"no LM-head matmul (output width {vocab_size}) in the decode graph")
+    heads = [
+        str(node.output[0])
+        for node in model.graph.node
+        if (node.op_type == "MatMulNBits" and any(a.name == "N" and a.i == vocab_size for a in node.attribute))
+        or (node.op_type == "MatMul" and shapes.get(node.input[1], (0, 0))[-1:] == (vocab_size,))
+    ]
+    if not heads:
+        raise ValueError(f"no LM-head matmul (output width {vocab_size}) in the decode graph")
+    return heads[-1]
 
 
 def logits_engine(repo: Path, threads: int | None) -> GraphEngine:
@@ -56,7 +59,8 @@ def logits_engine(repo: Path, threads: int | None) -> GraphEngine:
     path = engine_dir_of(repo) / "decode.onnx"
     model = onnx.load(str(path))  # with the weights: the session is made from bytes
     head = lm_head_output(model, engine.vocab_size)
-    model.graph.output.append(onnx.helper.make_tensor_value_info(head, onnx.TensorProto.FLOAT, None))
+    model.graph.node.append(onnx.helper.make_node("Identity", [head], [LOGITS]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info(LOGITS, onnx.TensorProto.FLOAT, None))
     options = runner.sessions["decode"].get_session_options()
     runner.sessions["decode"] = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     runner.output_names["decode"] = [*runner.output_names["decode"], LOGITS]

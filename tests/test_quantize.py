@@ -57,7 +57,11 @@ def test_graphs_hold_quantized_operators(quantized_repo: tuple[str, Path], tiny_
         assert [n.name for n in nodes if n.op_type == "MatMul" and n.input[1] in weights] == [], f"{name}: float linear layers"
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
         assert quantized and all(n.domain == "com.microsoft" for n in quantized)
-        bits = {(attribute(n, "N") == vocab, attribute(n, "bits")) for n in quantized}
+        # The LM head: the last vocab-wide matmul (a projection may be as wide, earlier) and those sharing its weight,
+        # which weights.bin stores once (content-addressed: the same offset).
+        offset = {t.name: next((e.value for e in t.external_data if e.key == "offset"), t.name) for t in model.graph.initializer}
+        head = offset[[n.input[1] for n in quantized if attribute(n, "N") == vocab][-1]]
+        bits = {(offset[n.input[1]] == head, attribute(n, "bits")) for n in quantized}
         assert bits == {(False, MODES[mode].bits), (True, LM_HEAD_BITS)}, f"{name}: (is LM head, bits) {bits}"
         assert {attribute(n, "accuracy_level") for n in quantized} == {4}
     quantized_bytes = (engine_dir / "weights.bin").stat().st_size
@@ -126,3 +130,38 @@ def test_bad_modes_fail_at_build_time(tiny_targets: dict[str, Path], trained_dra
     assert dflash_build([*base, "--quantize", "fp8", "--backend", "onnxruntime"]) == 2
     assert "--quantize fp8 builds tensorrt operators, and this build's backend is onnxruntime" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_plan_accounts_for_the_mode(capsys) -> None:
+    """--plan of the Qwen3.5-27B pair: int4 linear layers (bf16 embeddings, 8-bit LM head) cost about 0.3x the bf16
+    weights, which leaves room for more sequences."""
+    fixtures = Path(__file__).parent / "fixtures" / "qwen3.5-27b"
+    command = ["--model", str(fixtures / "target"), "--drafter", str(fixtures / "drafter"), "--plan", "--backend", "onnxruntime"]
+    plans = {}
+    for mode in ("none", "int8", "int4"):
+        assert dflash_build([*command, "--gpu-memory", "141GB", "--max-seq-len", "32768", "--quantize", mode]) == 0
+        rows = dict(line.rsplit("  ", 1) for line in capsys.readouterr().out.splitlines()[1:])
+        plans[mode] = {name.strip(): value.strip() for name, value in rows.items()}
+    assert plans["int4"]["weights (int4 linear layers, bfloat16 embeddings, target + drafter)"] == "18.9 GiB"
+    weights = {
+        mode: float(next(v for k, v in rows.items() if k.startswith("weights")).split()[0]) for mode, rows in plans.items()
+    }
+    assert weights["none"] > 2.5 * weights["int4"] and weights["none"] > 1.7 * weights["int8"] > weights["int4"]
+    fits = {mode: int(next(v for k, v in rows.items() if k.startswith("sequences")).split()[0]) for mode, rows in plans.items()}
+    assert fits["int4"] > fits["int8"] > fits["none"]
+
+
+def test_quality_logits_are_the_targets(tiny_repo: Path, tiny_targets: dict[str, Path]) -> None:
+    """dflash-quality reads logits from the float32 engine's own decode graph: they equal transformers' logits of
+    the same checkpoint (1e-4), and its perplexity is exp of transformers' mean next-token loss."""
+    from dflash_trt.runtime.quality import perplexity
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(1, 90, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(tiny_targets["qwen3"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model(torch.tensor([tokens])).logits[0]
+    engine = logits_engine(tiny_repo, threads=None)
+    torch.testing.assert_close(block_logits(engine, tokens), expected, atol=1e-4, rtol=1e-4)
+    loss = torch.nn.functional.cross_entropy(expected[:-1], torch.tensor(tokens[1:]))
+    assert perplexity(engine, [tokens]) == pytest.approx((float(loss.exp()), 39), rel=1e-4)

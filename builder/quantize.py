@@ -3,11 +3,11 @@ operator (`com.microsoft.MatMulNBits`) and its own tooling (`MatMulNBitsQuantize
 
 Policy (the same for the target's and the drafter's linear layers; the drafter's LM head is the target's):
 - Linear layers (attention, MLP, the drafter's tap projection `fc`): `bits`-bit weights in blocks of BLOCK_SIZE
-  along the input axis, one float32 scale per block, symmetric (no zero points), round to nearest.
+  along the input axis, one scale per block (in the engine dtype), symmetric (no zero points), round to nearest.
 - The LM head: 8-bit in every mode (it decides every token; llama.cpp's 4-bit types keep their output layer at 6
   bits or more too).
-- Embeddings stay float32: a lookup reads one row per token, there is no arithmetic to save.
-- Activations, the hidden-state taps the drafter is conditioned on, the K/V states and every norm stay float32.
+- Embeddings stay in the engine's dtype (float32 on the CPU): a lookup reads one row per token, no arithmetic to save.
+- Activations, the hidden-state taps the drafter is conditioned on, the K/V states and every norm stay in it too.
   The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
   float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
   its call; with the target's keys in position order (networks.TargetAttention) DFlash leaves bitwise what plain
@@ -80,8 +80,8 @@ def manifest_record(mode: QuantizationMode) -> dict[str, object]:
         "symmetric": True,
         "accuracy_level": ACCURACY_LEVEL,
         "lm_head_bits": LM_HEAD_BITS,
-        "embeddings": "float32",
-        "activations_and_taps": "float32",
+        "embeddings": "engine dtype",
+        "activations_and_taps": "engine dtype",
     }
 
 

@@ -26,8 +26,7 @@ from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
-from dflash_trt.runtime.quality import engine_bytes
-from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.repository import engine_bytes, load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

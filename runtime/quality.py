@@ -28,7 +28,7 @@ from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.loop import generate_plain
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
-from dflash_trt.runtime.repository import engine_dir_of, load_engine
+from dflash_trt.runtime.repository import engine_bytes, engine_dir_of, load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoTokenizer
 
@@ -120,10 +120,6 @@ def top1_agreement(engine: GraphEngine, reference: GraphEngine, prompts: list[li
         agreement.matches += int((logits.argmax(-1) == torch.tensor(generated)).sum())
         agreement.positions += len(generated)
     return agreement
-
-
-def engine_bytes(repo: Path) -> int:
-    return sum(f.stat().st_size for f in engine_dir_of(repo).iterdir() if f.is_file())
 
 
 def main(argv: list[str] | None = None) -> int:

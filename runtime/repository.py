@@ -24,6 +24,11 @@ def engine_dir_of(path: Path) -> Path:
     return nested if nested.is_dir() else path
 
 
+def engine_bytes(path: Path) -> int:
+    """Bytes on disk of an engine directory (graphs, weights, manifest)."""
+    return sum(f.stat().st_size for f in engine_dir_of(path).iterdir() if f.is_file())
+
+
 def load_engine(path: Path, threads: int | None = None, max_batch: int | None = None) -> tuple[GraphEngine, dict[str, Any]]:
     """The engine a dflash-build output holds (ONNX Runtime here; TensorRT plans where TensorRT runs), with a state
     pool of `max_batch` slots (default: the build's --max-batch-size)."""

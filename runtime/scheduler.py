@@ -263,7 +263,9 @@ class Scheduler:
         return bool(self.waiting or self.active)
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Admit, run one batched step, commit, retire: the tokens each sequence emitted (possibly none)."""
+        """Admit, run one batched step, commit, retire: each sequence once, with the tokens it emitted (possibly
+        none). A sequence admitted here emits at its prefill and again in the batched step: one entry with both, so
+        a consumer that ends a request when its sequence is finished sees every token first."""
         self.last_batch = self.last_width = 0
         self.last_graph_seconds = self.last_prefill_seconds = 0.0
         emitted = self._admit()
@@ -271,7 +273,7 @@ class Scheduler:
             emitted += self._batched_step()
         for sequence in [s for s in self.active if s.finished]:
             self._retire(sequence)
-        return emitted
+        return _by_sequence(emitted)
 
     def _admit(self) -> list[tuple[Sequence, list[int]]]:
         emitted = []
@@ -323,3 +325,11 @@ class Scheduler:
         self.active.remove(sequence)
         self.engine.pool.release(sequence.slot)
         sequence.slot = -1
+
+
+def _by_sequence(emitted: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
+    """Each sequence once, in first-emitted order, its tokens concatenated in order."""
+    merged: dict[int, tuple[Sequence, list[int]]] = {}
+    for sequence, tokens in emitted:
+        merged.setdefault(id(sequence), (sequence, []))[1].extend(tokens)
+    return list(merged.values())

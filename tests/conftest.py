@@ -131,9 +131,13 @@ def tiny_repo(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_fac
 def running_server(repo: Path, log_dir: Path, unary: bool = False) -> Iterator[Ports]:
     """A real tritonserver on `repo` at free loopback ports, stopped (cleanly) afterwards."""
     ports = Ports(free_port(), free_port(), free_port())
-    process = start_server(repo, ports, log_dir / "server.log", unary=unary)
+    log = log_dir / "server.log"
+    process = start_server(repo, ports, log, unary=unary)
     try:
         wait_ready(process, ports.http)
         yield ports
     finally:
-        assert stop_server(process) == 0
+        code = stop_server(process)
+        assert code == 0, f"tritonserver exited with code {code}; the end of {log}:\n" + "\n".join(
+            log.read_text(errors="replace").splitlines()[-40:]
+        )

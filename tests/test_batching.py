@@ -57,6 +57,21 @@ def test_batched_outputs_equal_each_request_served_alone(engine: GraphEngine) ->
     assert any(r.stats.accepted_draft_tokens > 0 for r in requests), "drafts were accepted in the batch"
 
 
+def test_a_request_that_ends_in_its_first_step_is_reported_once_with_every_token(engine: GraphEngine) -> None:
+    """Admitted and finished in one step(): one entry carrying the prefill's token and the step's. (Reported twice,
+    the server ended the request at the first entry, whose sequence was already finished, and dropped the rest:
+    max_tokens=2 streamed one token.)"""
+    prompt = [3, 14, 15, 9, 26]
+    for max_tokens in (1, 2):  # the prefill gives one token, any step at least one more
+        sequence = Sequence(prompt, max_tokens)
+        scheduler = Scheduler(engine)
+        scheduler.submit(sequence)
+        reports = scheduler.step()
+        assert sequence.finished
+        assert [s for s, _ in reports] == [sequence]
+        assert reports[0][1] == sequence.tokens == generate_plain(engine, prompt, max_tokens).tokens
+
+
 @pytest.mark.parametrize("drafts", [0, 1, 3, 7, 15])
 def test_any_verify_length_keeps_outputs_exact(engine: GraphEngine, drafts: int) -> None:
     requests = _requests(6, seed=1)

@@ -245,6 +245,8 @@ class TritonPythonModel:
                 return
 
     def _drop_cancelled(self) -> None:
+        # Only open requests are asked (a client leaves `clients` before its final response, on this thread): asking
+        # after the final response reads the backend's freed response factory.
         for client in list(self.clients.values()):
             if client.request.is_cancelled():  # type: ignore[attr-defined]
                 self._cancel(client)

@@ -230,11 +230,18 @@ class TritonPythonModel:
             with self.jobs_lock:
                 jobs = list(self.jobs.values())
             for job in jobs:
-                if not job.finished and job.request.is_cancelled():  # type: ignore[attr-defined]
+                if self._cancelled(job):
                     self._stop(job.key)
                     error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                     self._end(job, pb_utils.InferenceResponse(error=error))
             time.sleep(WATCH_SECONDS)
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the client cancelled `job`, asked only while its request is open: the backend frees a request's
+        response factory with its final response, and asking after that reads freed memory (tritonserver died with
+        SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled when this check raced the job's final response)."""
+        with job.lock:  # `_end` sends the final response under the same lock
+            return not job.finished and bool(job.request.is_cancelled())  # type: ignore[attr-defined]
 
     def _stop(self, key: str) -> None:
         """Ask `dflash` to cancel the request with id `key` (it frees the slot before its next step)."""

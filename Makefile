@@ -7,16 +7,16 @@ export HF_HUB_OFFLINE := 1
 
 SOURCES := builder plugins runtime client model_repo tests scripts
 
-.PHONY: demo test test-fast lint venv clean
+.PHONY: demo test test-fast lint venv system clean
 
 demo: venv
 	mkdir -p out
 	bash scripts/demo.sh
 
-test: lint
+test: system lint
 	$(PY) -m pytest
 
-test-fast: lint
+test-fast: system lint
 	$(PY) -m pytest -m "not slow"
 
 lint: venv .typings/tensorrt/__init__.pyi
@@ -25,6 +25,12 @@ lint: venv .typings/tensorrt/__init__.pyi
 	MYPYPATH=.typings $(VENV)/bin/mypy builder plugins runtime client
 
 venv: $(VENV)/.installed
+
+# Debian's HAProxy, the balancer of `dflash-serve --replicas` (installed when running as root; its tests skip without it).
+system:
+	@command -v haproxy >/dev/null || [ -x /usr/sbin/haproxy ] || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; } || \
+		echo "HAProxy not installed: apt-get install haproxy (as root) for dflash-serve --replicas; its tests will skip"
 
 # TensorRT cannot be installed here: its type stubs, patched for mypy (see the script).
 .typings/tensorrt/__init__.pyi: scripts/prepare_tensorrt_stubs.py scripts/stubs/tensorrt_plugin.pyi $(VENV)/.installed

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dflash_trt.client.triton_client import Request, ServerError, Timing, http_generate, http_generate_stream, stream_text
+from dflash_trt.client.triton_client import (
+    Request,
+    Retry,
+    ServerError,
+    Timing,
+    http_generate,
+    http_generate_stream,
+    stream_text,
+)
 
 
 def format_stats(last: dict[str, object], timing: Timing) -> str:
@@ -34,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--stats", action="store_true", help="print the draft acceptance rate, TTFT and inter-response latency")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=Retry().tries - 1,
+        help="gRPC: times to ask again when the stream breaks before the final response (a replica died); greedy and "
+        "seeded requests resume where they broke, 0 turns it off (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     request = Request(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, None, tuple(args.stop), not args.no_stream
@@ -50,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             pieces = (
                 http_generate_stream(url, args.prompt, request, timing)
                 if args.http
-                else stream_text(url, args.prompt, request, timing)
+                else stream_text(url, args.prompt, request, timing, Retry(tries=1 + max(args.retries, 0)))
             )
             for piece in pieces:
                 print(piece["text"], end="", flush=True)

@@ -3,6 +3,12 @@
 `stream_text` talks to the `ensemble` (text in, text out); `stream_tokens` to the token-level `dflash` model.
 Both yield pieces as the server sends them (one per draft-verify step) and end with the request's statistics.
 Inputs carry tensorrtllm_backend's names and its leading batch dimension of 1 ([1, 1] scalars, [1, N] lists).
+
+Both survive a replica's death: each request is one gRPC stream, and a stream that ends without the request's
+final response (a killed replica surfaces as CANCELLED, UNKNOWN or INTERNAL, never UNAVAILABLE, so gRPC's own
+retry policies never fire) is retried whole on a new connection, skipping what was already yielded. Only greedy
+and seeded requests are resumed that way (their output is reproducible); an unseeded sampled request that broke
+after yielding output raises instead of splicing two samples.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import json
 import queue
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +26,28 @@ import tritonclient.grpc as grpcclient
 
 
 class ServerError(RuntimeError):
-    """The server answered the request with an error (its message says why)."""
+    """The server answered the request with an error (its message says why), or the request could not be served."""
+
+
+class StreamBroken(ServerError):
+    """The stream ended without the request's final response: the connection or the replica failed."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How often a request whose stream broke is tried again, and how long to wait between tries."""
+
+    tries: int = 4  # in all, the first included; 1 = never retry
+    backoff_seconds: float = 0.25  # before the second try, doubled before each later one
+    max_backoff_seconds: float = 4.0
+
+    def wait(self, failed_tries: int) -> None:
+        time.sleep(min(self.backoff_seconds * 2 ** (failed_tries - 1), self.max_backoff_seconds))
+
+
+NO_RETRY = Retry(tries=1)
+# Answers of a replica that is shutting down (tritonserver after SIGTERM): another replica can serve the request.
+SHUTTING_DOWN = ("Server not ready", "has no available versions", "Request for unknown model")
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,13 @@ class Request:
         if self.stop_words:
             values["stop_words"] = list(self.stop_words)
         return values
+
+    @property
+    def reproducible(self) -> bool:
+        """Greedy (as the server reads these fields: temperature 0, top_k 1, or neither top_k nor top_p) or seeded:
+        served again, it gives the same output, so a broken stream can be resumed by asking again."""
+        greedy = self.temperature == 0 or self.top_k == 1 or (self.top_k == 0 and self.top_p == 0)
+        return greedy or self.seed is not None
 
 
 STAT_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
@@ -117,9 +151,13 @@ def grpc_stream(
     try:
         client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
-            result, error = answers.get(timeout=timeout)
-            if error is not None:
-                raise ServerError(str(error))
+            try:
+                result, error = answers.get(timeout=timeout)
+            except queue.Empty:
+                raise StreamBroken(f"no response from {url} in {timeout:.0f} s") from None
+            if error is not None:  # the model's answer carries no gRPC status; a failed stream does
+                broken = error.status() is not None or any(answer in str(error) for answer in SHUTTING_DOWN)
+                raise StreamBroken(str(error)) if broken else ServerError(str(error))
             arrays = {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
             if arrays:
                 yield arrays
@@ -130,25 +168,74 @@ def grpc_stream(
         client.close()
 
 
-def stream_tokens(url: str, input_ids: list[int], request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
+UNITS = {"text": "characters", "tokens": "tokens"}  # what one item of a piece's key is
+
+
+Piece = dict[str, Any]  # one response: "tokens" or "text", and the request's statistics so far
+
+
+def resumed(attempt: Callable[[], Iterator[Piece]], key: str, request: Request, retry: Retry) -> Iterator[Piece]:
+    """Yield `attempt()`'s pieces; when its stream breaks, call it again and skip the items of `piece[key]` (tokens
+    or characters) already yielded, up to `retry.tries` tries in all."""
+    sent = 0  # items of `key` yielded so far, over all tries
+    failures: list[str] = []
+    while True:
+        seen = 0  # items of `key` this try has produced
+        try:
+            for piece in attempt():
+                items = piece[key]
+                skip = min(max(sent - seen, 0), len(items))
+                seen += len(items)
+                if skip and skip == len(items):
+                    continue  # an earlier try yielded all of it
+                sent += len(items) - skip
+                yield {**piece, key: items[skip:]}
+            return
+        except StreamBroken as error:
+            failures.append(f"try {len(failures) + 1}: {error}")
+            if sent and not request.reproducible:
+                raise StreamBroken(
+                    f"the stream broke after {sent} {UNITS.get(key, key)} had been received ({failures[-1]}); an unseeded "
+                    "sampled request cannot be resumed without mixing two samples: set a seed to make it retryable"
+                ) from None
+            if len(failures) >= retry.tries:
+                raise StreamBroken(f"gave up after {len(failures)} tries: " + "; ".join(failures)) from None
+            retry.wait(len(failures))
+
+
+def stream_tokens(
+    url: str, input_ids: list[int], request: Request, timing: Timing | None = None, retry: Retry = Retry()
+) -> Iterator[dict[str, Any]]:
     """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response."""
     inputs = grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request.fields())
-    for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS)):
+
+    def attempt() -> Iterator[dict[str, Any]]:
+        for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS)):
+            yield {
+                "tokens": arrays["output_ids"].reshape(-1).tolist(),
+                **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "output_ids"},
+            }
+
+    for piece in resumed(attempt, "tokens", request, retry):
         if timing is not None:
             timing.mark()
-        yield {
-            "tokens": arrays["output_ids"].reshape(-1).tolist(),
-            **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "output_ids"},
-        }
+        yield piece
 
 
-def stream_text(url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
+def stream_text(
+    url: str, text: str, request: Request, timing: Timing | None = None, retry: Retry = Retry()
+) -> Iterator[dict[str, Any]]:
     """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response."""
     inputs = grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), _text_fields(request))
-    for arrays in grpc_stream(url, "ensemble", inputs, ("text_output", *STAT_OUTPUTS)):
+
+    def attempt() -> Iterator[dict[str, Any]]:
+        for arrays in grpc_stream(url, "ensemble", inputs, ("text_output", *STAT_OUTPUTS)):
+            yield _text_answer(arrays)
+
+    for piece in resumed(attempt, "text", request, retry):
         if timing is not None:
             timing.mark()
-        yield _text_answer(arrays)
+        yield piece
 
 
 def infer_text(url: str, text: str, request: Request, timeout: float = 600.0) -> dict[str, Any]:

@@ -21,12 +21,12 @@ NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64
 class SessionSettings:
     """ONNX Runtime session settings written into the engine manifest by dflash-build."""
 
-    intra_op_threads: int = 0  # 0 = one per core
+    intra_op_threads: int = 0  # 0 = one per core this process may run on (a replica pinned to one core: 1)
     graph_optimization: str = "all"  # "disable" | "basic" | "extended" | "all"
 
     @property
     def threads(self) -> int:
-        return self.intra_op_threads or (os.cpu_count() or 1)
+        return self.intra_op_threads or len(os.sched_getaffinity(0))
 
     def options(self) -> ort.SessionOptions:
         levels = {

@@ -82,8 +82,11 @@ class Ports:
     metrics: int
 
 
-def start_server(repo: Path, ports: Ports, log_path: Path | None = None, unary: bool = False) -> subprocess.Popen[bytes]:
-    """Start tritonserver on the repository (not waiting for readiness); `unary` serves the ensemble non-decoupled."""
+def start_server(
+    repo: Path, ports: Ports, log_path: Path | None = None, unary: bool = False, cores: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Start tritonserver on the repository (not waiting for readiness); `unary` serves the ensemble non-decoupled;
+    `cores` (a taskset list, e.g. "0" or "2-3") pins it, and the engine then runs one thread per pinned core."""
     if not is_complete_repository(repo):
         raise FileNotFoundError(
             f"{repo} is not a complete dflash-build model repository (no dflash-manifest.json); run dflash-build first"
@@ -96,6 +99,8 @@ def start_server(repo: Path, ports: Ports, log_path: Path | None = None, unary: 
     ]  # fmt: skip
     if unary:
         command.append(f"--model-config-name={UNARY_CONFIG}")
+    if cores is not None:
+        command = ["taskset", "-c", cores, *command]
     output = open(log_path, "wb") if log_path else None  # the child process owns it
     return subprocess.Popen(
         command, env={**os.environ, **triton.env}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
@@ -142,7 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         help="serve the ensemble non-decoupled (tensorrtllm_backend's decoupled_mode false): unary gRPC infer and HTTP "
         "generate work, streaming requests are refused",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="run N tritonserver replicas behind a load balancer (--lb); --grpc-port and --http-port are then the "
+        "balancer's, and each replica's ports and metrics are printed",
+    )
+    parser.add_argument("--lb", choices=["haproxy"], default="haproxy", help="the balancer in front of --replicas")
+    parser.add_argument("--pin", action="store_true", help="with --replicas: pin replica i to core i (one thread each)")
     args = parser.parse_args(argv)
+    if args.replicas != 1:
+        return serve_fleet(args)
     try:
         process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port), unary=args.unary)
         seconds = wait_ready(process, args.http_port)
@@ -164,6 +180,45 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, forward)
     code = process.wait()
     return 0 if stopping else code
+
+
+def serve_fleet(args: argparse.Namespace) -> int:
+    """`--replicas N`: the fleet until SIGINT or SIGTERM; a replica that dies is reaped and started again."""
+    import tempfile
+
+    from dflash_trt.runtime.fleet import Fleet
+
+    work_dir = Path(tempfile.mkdtemp(prefix="dflash-fleet-"))
+    try:
+        fleet = Fleet(args.repo, args.replicas, Ports(args.grpc_port, args.http_port, args.metrics_port), work_dir,
+                      unary=args.unary, pin=args.pin)  # fmt: skip
+    except ValueError as error:
+        print(f"dflash-serve: error: {error}", file=sys.stderr)
+        return 2
+    stopping = False
+
+    def stop(_signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        seconds = fleet.start()
+        print(f"dflash-serve: {args.replicas} replicas behind {args.lb} ready in {seconds:.1f} s", file=sys.stderr)
+        print(fleet.describe(), flush=True)
+        while not stopping:
+            for replica in fleet.reap():
+                code = replica.process.returncode
+                fleet.restart(replica)
+                print(f"dflash-serve: {replica.name} exited ({code}); started again, pid {replica.process.pid}", file=sys.stderr)
+            time.sleep(0.5)
+    except (FileNotFoundError, RuntimeError, TimeoutError) as error:
+        print(f"dflash-serve: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        fleet.stop()
+    return 0
 
 
 if __name__ == "__main__":

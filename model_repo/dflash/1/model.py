@@ -85,8 +85,11 @@ class Metrics:
         "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target", "COUNTER"),
         "steps": ("dflash_steps_total", "Batched draft-verify steps", "COUNTER"),
         "tokens": ("dflash_generated_tokens_total", "Tokens generated", "COUNTER"),
-        "active": ("dflash_active_sequences", "Sequences in the running batch", "GAUGE"),
-        "waiting": ("dflash_waiting_requests", "Requests admitted but waiting for a slot", "GAUGE"),
+        # The three gauges of the Gateway API Inference Extension's model-server protocol (queued, running, KV
+        # usage), which autoscalers and gateways read: Triton's own queue metrics stop at execute()'s hand-off.
+        "running": ("dflash_running_requests", "Requests generating in the running batch", "GAUGE"),
+        "waiting": ("dflash_waiting_requests", "Requests received and waiting for a slot", "GAUGE"),
+        "slot_usage": ("dflash_slot_usage_ratio", "Fraction of state-pool (KV) slots in use, 0 to 1", "GAUGE"),
         "free_slots": ("dflash_free_slots", "Free state-pool slots", "GAUGE"),
         "verify_width": ("dflash_verify_width", "Tokens per row the last step verified (1 + drafts)", "GAUGE"),
         "batch": ("dflash_batch_size", "Rows per batched step", "HISTOGRAM"),
@@ -131,9 +134,9 @@ class TritonPythonModel:
         policy.calibrate(self.engine)
         self.scheduler = Scheduler(self.engine, policy)
         self.metrics = Metrics()
-        self.metrics.set("free_slots", self.engine.pool.free_slots)
         self.inbox: queue.Queue[Client | Stop] = queue.Queue()  # in arrival order: a stop never overtakes its request
         self.clients: dict[int, Client] = {}  # id(sequence) -> client
+        self._record_state()
         self.running = True
         self.thread = threading.Thread(target=self._serve, name="dflash-scheduler", daemon=True)
         self.thread.start()
@@ -293,9 +296,11 @@ class TritonPythonModel:
         self.metrics.add("tokens", len(client.sequence.tokens))
 
     def _record_state(self) -> None:
-        self.metrics.set("active", len(self.scheduler.active))
+        pool = self.engine.pool
+        self.metrics.set("running", len(self.scheduler.active))
         self.metrics.set("waiting", len(self.scheduler.waiting) + self.inbox.qsize())
-        self.metrics.set("free_slots", self.engine.pool.free_slots)
+        self.metrics.set("slot_usage", 1.0 - pool.free_slots / pool.slots)
+        self.metrics.set("free_slots", pool.free_slots)
 
     def _record_step(self, seconds: float) -> None:
         if self.scheduler.last_batch:

@@ -1,0 +1,117 @@
+"""A fleet on one machine, for real: `dflash-serve --replicas 3` (tritonserver replicas behind HAProxy), greedy
+requests from concurrent clients, one replica SIGKILLed and one SIGTERMed mid-load."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from dflash_trt.client.triton_client import Request, stream_tokens
+from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.serve import free_port
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists(), reason="needs HAProxy"),
+]
+REPLICA = re.compile(r"(replica\d): pid (\d+), gRPC \d+, HTTP \d+, metrics (http://\S+/metrics)")
+MAX_TOKENS = 160
+
+
+def _prompts(count: int, offset: int) -> list[list[int]]:
+    return [[3, 14, 15, 1 + (offset + k) % 80, 1 + (offset + 7 * k) % 80] for k in range(count)]
+
+
+def _gauge(metrics_url: str, name: str) -> float:
+    with urllib.request.urlopen(metrics_url, timeout=5) as answer:
+        match = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", answer.read().decode(), re.MULTILINE)
+    assert match, f"{name} not exported at {metrics_url}"
+    return float(match.group(1))
+
+
+def _load(url: str, prompts: list[list[int]]) -> tuple[dict[int, object], list[threading.Thread]]:
+    """Each prompt streamed on its own thread (one stream per request, retried by the client if it breaks)."""
+    results: dict[int, object] = {}
+
+    def run(index: int) -> None:
+        try:
+            results[index] = [t for r in stream_tokens(url, prompts[index], Request(MAX_TOKENS)) for t in r["tokens"]]
+        except Exception as error:  # surfaced by the assertion, with its message
+            results[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    return results, threads
+
+
+def _fleet_processes(marks: tuple[str, ...]) -> list[str]:
+    """Command lines of the processes still running that name the fleet's repository or work directory."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and any(mark in command for mark in marks):
+            found.append(command)
+    return found
+
+
+def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_drains(tiny_repo: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)  # its own path: every process of this fleet names it
+    engine, _ = load_engine(repo)
+    first, second = _prompts(36, 0), _prompts(12, 40)
+    expected = {tuple(p): generate(engine, p, MAX_TOKENS).tokens for p in first + second}
+    grpc_port, http_port = free_port(), free_port()
+    command = [sys.executable, "-m", "dflash_trt.runtime.serve", str(repo), "--replicas", "3"]
+    command += ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
+    fleet = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [fleet.stdout.readline() for _ in range(6)]  # type: ignore[union-attr]
+        replicas = {m.group(1): (int(m.group(2)), m.group(3)) for m in map(REPLICA.search, lines) if m}
+        assert len(replicas) == 3, "".join(lines) + (fleet.stderr.read() if fleet.poll() is not None else "")  # type: ignore[union-attr]
+        url = f"localhost:{grpc_port}"
+
+        # SIGKILL replica1 while it streams: every request still ends with its full, exact output.
+        results, threads = _load(url, first)
+        deadline = time.perf_counter() + 30
+        while _gauge(replicas["replica1"][1], "dflash_running_requests") == 0:
+            assert time.perf_counter() < deadline, "replica1 never got a request"
+            time.sleep(0.05)
+        os.kill(replicas["replica1"][0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(timeout=120)
+        for prompt_index, prompt in enumerate(first):
+            assert results[prompt_index] == expected[tuple(prompt)], f"request {prompt_index}: {results[prompt_index]}"
+
+        # SIGTERM replica0 while it streams: its streams finish, and requests sent after it go elsewhere.
+        results, threads = _load(url, second[:6])
+        deadline = time.perf_counter() + 30
+        while _gauge(replicas["replica0"][1], "dflash_running_requests") == 0:
+            assert time.perf_counter() < deadline, "replica0 never got a request"
+            time.sleep(0.05)
+        os.kill(replicas["replica0"][0], signal.SIGTERM)
+        later, later_threads = _load(url, second[6:])
+        for thread in threads + later_threads:
+            thread.join(timeout=120)
+        for index, prompt in enumerate(second[:6]):
+            assert results[index] == expected[tuple(prompt)], f"in flight at SIGTERM, request {index}: {results[index]}"
+        for index, prompt in enumerate(second[6:]):
+            assert later[index] == expected[tuple(prompt)], f"sent after SIGTERM, request {index}: {later[index]}"
+    finally:
+        fleet.send_signal(signal.SIGTERM)
+        code = fleet.wait(90)
+    assert code == 0, fleet.stderr.read()  # type: ignore[union-attr]
+    assert _fleet_processes((str(repo),)) == [], "processes of the fleet outlived it"

@@ -1,0 +1,284 @@
+"""dflash-openai: an OpenAI-compatible front end for a served dflash repository.
+
+`/v1/models`, `/v1/completions` (raw text) and `/v1/chat/completions` (the repository's chat template), streamed
+by server-sent events or answered whole, with `max_tokens`, `temperature`, `top_p`, `seed`, `stop` and `usage`.
+It tokenizes here (the repository holds the tokenizer), talks to the token-level `dflash` model over gRPC, so
+it fronts one replica or a fleet's balancer (and retries a request whose replica died, as the Python client
+does), and detokenizes incrementally. Errors come back in OpenAI's shape: {"error": {"message", "type", "param",
+"code"}}. The Gateway API Inference Extension and llm-d route on this API plus the `dflash` model's gauges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, stream_tokens
+from pydantic import BaseModel, ConfigDict, Field
+
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Sampling(BaseModel):
+    """The fields both endpoints share, with OpenAI's defaults (temperature 1: sampled unless set to 0)."""
+
+    model_config = ConfigDict(extra="allow")  # other OpenAI fields are checked against UNSUPPORTED, else ignored
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    def request(self, default_max_tokens: int) -> Request:
+        for name, neutral in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name, neutral)
+            if value != neutral:
+                raise InvalidRequest(f"{name}={value!r} is not supported (only {name}={neutral!r})", name)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise InvalidRequest(f"stop={self.stop!r}: give up to 4 non-empty strings", "stop")
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return Request(max_tokens, self.temperature, 0, self.top_p, self.seed, None, tuple(stops), True)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionBody(Sampling):
+    prompt: str | list[str]
+
+
+class Message(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = [p.get("text") for p in self.content if p.get("type") == "text"]
+        if len(parts) != len(self.content):
+            raise InvalidRequest("only text content parts are supported", "messages")
+        return "".join(str(p) for p in parts)
+
+
+class ChatBody(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class StopTrim:
+    """Cuts the text at the first stop string (OpenAI leaves it out) and holds back, while streaming, the tail that
+    could still be the start of one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.text, self.sent, self.stopped = stops, "", 0, False
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def push(self, piece: str, last: bool) -> str:
+        if self.stopped:
+            return ""
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, max(self.sent - self.hold, 0)) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.text = True, self.text[:cut]
+            end = cut
+        else:
+            end = len(self.text) if last else max(len(self.text) - self.hold, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+class Frontend:
+    """The tokenizer, the chat template and where Triton is."""
+
+    def __init__(self, repo: Path, triton_url: str, model_name: str | None = None, default_max_tokens: int = 16) -> None:
+        from dflash_trt.builder.repository import TOKENIZER_DIR
+        from dflash_trt.runtime.repository import engine_dir_of, read_manifest
+        from transformers import AutoTokenizer
+
+        manifest = read_manifest(engine_dir_of(repo))
+        self.tokenizer = AutoTokenizer.from_pretrained(repo / TOKENIZER_DIR)
+        self.eos = set(manifest["eos_token_ids"])
+        self.model = model_name or Path(manifest["target"]["source"]).name
+        self.url, self.default_max_tokens, self.created = triton_url, default_max_tokens, int(time.time())
+
+    def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
+        if isinstance(body, ChatBody):
+            if not self.tokenizer.chat_template:
+                raise InvalidRequest(f"the model {self.model} has no chat template: use /v1/completions", "messages")
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            text = str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if len(prompts) != 1:
+            raise InvalidRequest(f"{len(prompts)} prompts in one request: send one prompt per request", "prompt")
+        return list(self.tokenizer(prompts[0])["input_ids"])
+
+    def generate(self, ids: list[int], request: Request) -> Iterator[tuple[str, str | None, int]]:
+        """(text, finish_reason or None, completion tokens so far) per response from Triton."""
+        from dflash_trt.runtime.detokenize import TextStream
+
+        text, trim, generated, ended_by_eos = TextStream(self.tokenizer), StopTrim(request.stop_words), 0, False
+        for piece in stream_tokens(self.url, ids, request):
+            generated += len(piece["tokens"])
+            ended_by_eos = ended_by_eos or any(t in self.eos for t in piece["tokens"])
+            yield trim.push(text.push(piece["tokens"]), last=False), None, generated
+        tail = trim.push("", last=True)
+        yield tail, "stop" if trim.stopped or ended_by_eos or generated < request.max_tokens else "length", generated
+
+
+def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="dflash-openai")
+
+    def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    def invalid_body(_request: Any, exc: RequestValidationError) -> JSONResponse:  # noqa: ANN401
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequest)
+    def invalid_request(_request: Any, exc: InvalidRequest) -> JSONResponse:  # noqa: ANN401
+        return error(400, str(exc), "invalid_request_error", exc.param)
+
+    @app.exception_handler(ServerError)
+    def server_error(_request: Any, exc: ServerError) -> JSONResponse:  # noqa: ANN401
+        if isinstance(exc, StreamBroken):  # no replica could finish it
+            return error(503, str(exc), "server_error")
+        return error(400, str(exc), "invalid_request_error")  # the model refused the request, saying why
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": frontend.model, "object": "model", "created": frontend.created, "owned_by": "dflash-trt"}],
+        }
+
+    def answer(body: CompletionBody | ChatBody, chat: bool) -> Any:  # noqa: ANN401
+        if body.model and body.model != frontend.model:  # none or "": the one model served
+            return error(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {frontend.model!r}",
+                "invalid_request_error",
+                "model",
+            )
+        ids = frontend.prompt_ids(body)
+        request = body.request(frontend.default_max_tokens)
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "created": int(time.time()),
+            "model": frontend.model,
+        }
+
+        def usage(generated: int) -> dict[str, int]:
+            return {"prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}
+
+        def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+            if not chat:
+                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            key, content = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
+            return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+
+        if not body.stream:
+            answers = list(frontend.generate(ids, replace(request, stream=False)))
+            _, finish, generated = answers[-1]
+            text = "".join(piece for piece, _, _ in answers)
+            kind = "chat.completion" if chat else "text_completion"
+            return {**head, "object": kind, "choices": [choice(text, finish, False)], "usage": usage(generated)}
+
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        responses = frontend.generate(ids, request)
+        first = next(responses)  # a refused request gets its HTTP error here, before the stream starts
+
+        def events() -> Iterator[str]:
+            generated = 0
+            if chat:
+                yield _sse(
+                    {
+                        **head,
+                        "object": kind,
+                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                    }
+                )
+            try:
+                for text, finish, tokens in itertools.chain([first], responses):
+                    generated = tokens
+                    if text or finish:
+                        yield _sse({**head, "object": kind, "choices": [choice(text, finish, True)]})
+            except ServerError as failure:
+                yield _sse({"error": {"message": str(failure), "type": "server_error", "param": None, "code": None}})
+                return
+            if body.include_usage:
+                yield _sse({**head, "object": kind, "choices": [], "usage": usage(generated)})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionBody) -> Any:  # noqa: ANN401
+        return answer(body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(body: ChatBody) -> Any:  # noqa: ANN401
+        return answer(body, chat=True)
+
+    return app
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dflash-openai", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--repo", type=Path, required=True, help="the dflash-build repository being served (tokenizer, chat template)"
+    )
+    parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC host:port, or a fleet balancer's")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
+    parser.add_argument("--default-max-tokens", type=int, default=16, help="when a request sets none (OpenAI's default: 16)")
+    args = parser.parse_args(argv)
+    try:
+        frontend = Frontend(args.repo, args.triton_url, args.served_model_name, args.default_max_tokens)
+    except (FileNotFoundError, KeyError, OSError) as failure:
+        print(f"dflash-openai: error: {args.repo} is not a dflash-build repository ({failure})", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    print(
+        f"dflash-openai: serving {frontend.model!r} on http://{args.host}:{args.port}/v1 -> Triton {args.triton_url}",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(frontend), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

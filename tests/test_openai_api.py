@@ -1,0 +1,121 @@
+"""dflash-openai for real: tritonserver on the tiny repository (given a chat template), the front end in its own
+process, and the real `openai` Python client."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.client.triton_client import Request, stream_text
+from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.serve import Ports, free_port
+from transformers import AutoTokenizer
+
+from tests.conftest import running_server
+
+pytestmark = pytest.mark.slow
+TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+PROMPT = "w5 w35 w89 w7"
+
+
+@pytest.fixture(scope="module")
+def chat_repo(tiny_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("chat") / "repo"
+    shutil.copytree(tiny_repo, repo)
+    config_path = repo / TOKENIZER_DIR / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return repo
+
+
+@pytest.fixture(scope="module")
+def triton(chat_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ports]:
+    with running_server(chat_repo, tmp_path_factory.mktemp("triton")) as ports:
+        yield ports
+
+
+@pytest.fixture(scope="module")
+def client(chat_repo: Path, triton: Ports) -> Iterator[openai.OpenAI]:
+    port = free_port()
+    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(chat_repo), "--port", str(port)]
+    front = subprocess.Popen([*command, "--triton-url", f"localhost:{triton.grpc}", "--host", "127.0.0.1"])
+    deadline = time.perf_counter() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
+                break
+        except OSError:
+            assert front.poll() is None and time.perf_counter() < deadline, "dflash-openai did not start"
+            time.sleep(0.2)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    front.terminate()
+    front.wait(10)
+
+
+def test_completions_equal_the_engine_streaming_or_not(client: openai.OpenAI, chat_repo: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
+    engine, _ = load_engine(chat_repo)
+    ids = tokenizer(PROMPT)["input_ids"]
+    expected = tokenizer.decode(generate(engine, ids, 24).tokens, skip_special_tokens=True)
+    [model] = client.models.list().data
+    whole = client.completions.create(model=model.id, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(ids), 24)
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=model.id, prompt=PROMPT, max_tokens=24, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_applies_the_template_and_equals_dflash_client(client: openai.OpenAI, triton: Ports) -> None:
+    """The ensemble applies the same template to dflash-client's prompt."""
+    expected = "".join(r["text"] for r in stream_text(f"localhost:{triton.grpc}", PROMPT, Request(20)))
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="", messages=messages, max_tokens=20, temperature=0)  # type: ignore[arg-type]
+    assert whole.choices[0].message.content == expected and whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+
+
+def test_stop_strings_are_cut_from_the_text(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="", prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full.split()[3]
+    cut = full[: full.index(stop)]
+    for stream in (False, True):
+        answer = client.completions.create(model="", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=stream)
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == cut  # type: ignore[union-attr]
+        assert chunks[-1].choices[0].finish_reason == "stop"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [({"n": 2}, "n=2"), ({"temperature": 5}, "temperature"), ({"max_tokens": 100000}, "exceeds the maximum sequence length")],
+)
+def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: dict[str, object], named: str) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="", prompt=PROMPT, **{"max_tokens": 8, **fields})  # type: ignore[call-overload]
+    error = raised.value.body
+    assert isinstance(error, dict) and named in error["message"] and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)

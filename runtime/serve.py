@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lb", choices=["haproxy"], default="haproxy", help="the balancer in front of --replicas")
     parser.add_argument("--pin", action="store_true", help="with --replicas: pin replica i to core i (one thread each)")
     args = parser.parse_args(argv)
-    if args.replicas != 1:
+    if args.replicas != 1 or args.pin:
         return serve_fleet(args)
     try:
         process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port), unary=args.unary)

@@ -35,6 +35,7 @@ from dflash_trt.builder.repository import (
 )
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
+from dflash_trt.runtime.repository import SERVABLE
 from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,9 +43,16 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def choose_backend(requested: str) -> str:
+    """`auto` picks only a backend the runtime can serve: ONNX Runtime, until a TensorRT runner exists."""
     if requested != "auto":
         return requested
-    return "tensorrt" if tensorrt_available() and torch.cuda.is_available() else "onnxruntime"
+    if tensorrt_available() and torch.cuda.is_available():
+        print(
+            "[dflash-build] TensorRT and a GPU are here, but the runtime cannot serve TensorRT plans yet: building "
+            "ONNX Runtime engines (--backend tensorrt builds plans anyway)",
+            file=sys.stderr,
+        )
+    return "onnxruntime"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,6 +186,7 @@ def build(args: argparse.Namespace) -> Path | None:
         print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
         write_manifest(repo, {
             "backend": backend,
+            "device": SERVABLE.get(backend, "cuda"),
             "engine": spec.to_json(),
             "session": asdict(settings),
             "quantization": manifest_record(quantization),

@@ -18,6 +18,19 @@ def read_manifest(engine_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+SERVABLE = {"onnxruntime": "cpu"}  # backends this runtime can run, and the device each runs on
+
+
+def check_servable(manifest: dict[str, Any], where: Path) -> None:
+    """Refuse, with what to do, a repository whose engines this runtime cannot run."""
+    backend = manifest.get("backend")
+    if backend not in SERVABLE:
+        raise RuntimeError(
+            f"{where} holds {backend} engines (device {manifest.get('device', 'cuda')}); this runtime serves "
+            f"{', '.join(SERVABLE)} engines only so far: rebuild with dflash-build --backend onnxruntime"
+        )
+
+
 def engine_dir_of(path: Path) -> Path:
     """Accept a model repository or its engine directory."""
     nested = path / "dflash" / "1" / "engine"
@@ -35,12 +48,7 @@ def load_engine(path: Path, threads: int | None = None, max_batch: int | None = 
     engine_dir = engine_dir_of(path)
     manifest = read_manifest(engine_dir)
     spec = EngineSpec.from_json(manifest["engine"])
-    backend = manifest["backend"]
-    if backend != "onnxruntime":
-        raise RuntimeError(
-            f"{engine_dir} holds {backend} engines; this runtime runs the onnxruntime backend only so far "
-            "(rebuild with --backend onnxruntime)"
-        )
+    check_servable(manifest, engine_dir)
     settings = SessionSettings(**manifest["session"])
     if threads is not None:
         settings = SessionSettings(threads, settings.graph_optimization)

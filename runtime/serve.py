@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dflash_trt.builder.embedded import data_dir
 from dflash_trt.builder.repository import UNARY_CONFIG, is_complete_repository
+from dflash_trt.runtime.repository import check_servable, engine_dir_of, read_manifest
 
 SYSTEM_TRITON = Path("/opt/tritonserver")
 
@@ -91,6 +92,7 @@ def start_server(
         raise FileNotFoundError(
             f"{repo} is not a complete dflash-build model repository (no dflash-manifest.json); run dflash-build first"
         )
+    check_servable(read_manifest(engine_dir_of(repo)), repo)  # before tritonserver loads a model it cannot run
     triton = find_triton()
     command = [
         str(triton.binary), f"--model-repository={repo.resolve()}", f"--backend-directory={triton.backend_dir}",

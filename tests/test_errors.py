@@ -129,3 +129,24 @@ def test_served_sampling_follows_tensorrt_llm_conventions(
 def test_served_sampling_refuses_bad_values(fields: tuple[float, int, float | None], message: str) -> None:
     with pytest.raises(RequestError, match=message):
         SamplingParams.from_request(*fields, seed=None)
+
+
+def test_engines_the_runtime_cannot_run_are_refused_before_serving(
+    tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A repository of TensorRT plans: load_engine and dflash-serve refuse it naming the rebuild, and the manifest of
+    a default build says what it needs."""
+    from dflash_trt.runtime.repository import load_engine
+    from dflash_trt.runtime.serve import main as dflash_serve
+
+    built = json.loads((tiny_repo / "dflash-manifest.json").read_text())
+    assert (built["backend"], built["device"]) == ("onnxruntime", "cpu")  # --backend auto, no TensorRT here
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo, repo)
+    for path in (repo / "dflash-manifest.json", repo / "dflash/1/engine/manifest.json"):
+        manifest = json.loads(path.read_text())
+        path.write_text(json.dumps({**manifest, "backend": "tensorrt", "device": "cuda"}))
+    with pytest.raises(RuntimeError, match="holds tensorrt engines.*rebuild with dflash-build --backend onnxruntime"):
+        load_engine(repo)
+    assert dflash_serve([str(repo), "--grpc-port", "1", "--http-port", "2", "--metrics-port", "3"]) == 2
+    assert "holds tensorrt engines (device cuda)" in capsys.readouterr().err

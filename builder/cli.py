@@ -29,13 +29,14 @@ from dflash_trt.builder.repository import (
     TOKENIZER_DIR,
     checkpoint_hashes,
     copy_tokenizer,
+    link_checkpoint,
     staged_output,
     write_manifest,
     write_templates,
 )
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
-from dflash_trt.runtime.repository import SERVABLE
+from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
 from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,16 +44,17 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def choose_backend(requested: str) -> str:
-    """`auto` picks only a backend the runtime can serve: ONNX Runtime, until a TensorRT runner exists."""
+    """`auto` picks only a backend the runtime can serve: torch-cuda on a GPU, ONNX Runtime on the CPU (TensorRT
+    plans are built only when asked for, until a TensorRT runner exists)."""
     if requested != "auto":
         return requested
     if tensorrt_available() and torch.cuda.is_available():
         print(
             "[dflash-build] TensorRT and a GPU are here, but the runtime cannot serve TensorRT plans yet: building "
-            "ONNX Runtime engines (--backend tensorrt builds plans anyway)",
+            "torch-cuda engines (--backend tensorrt builds plans anyway)",
             file=sys.stderr,
         )
-    return "onnxruntime"
+    return "torch-cuda" if torch.cuda.is_available() else "onnxruntime"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,7 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--drafter", help="z-lab DFlash drafter dir or hub id (aliases name their own; default: an untrained drafter)"
     )
-    parser.add_argument("--backend", choices=("auto", "onnxruntime", "tensorrt"), default="auto")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "onnxruntime", "torch-cuda", "tensorrt"),
+        default="auto",
+        help="onnxruntime: CPU engines; torch-cuda: the pair's checkpoints run by torch on a GPU; tensorrt: plans "
+        "(built, not yet served); auto: torch-cuda where CUDA is, else onnxruntime",
+    )
     parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument(
@@ -178,8 +186,13 @@ def build(args: argparse.Namespace) -> Path | None:
         copy_tokenizer(target_dir, repo)
         engine_dir = repo / "dflash" / "1" / ENGINE_DIR
         engine_dir.mkdir(parents=True)
-        graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
-        paths = export_engines_onnx(graphs, spec, engine_dir, quantization=quantization)
+        if backend == "torch-cuda":  # the same graphs, run by torch at serving time: the checkpoints are the engine
+            for name, source in zip(TORCH_ENGINE_DIRS, (target_dir, drafter_dir), strict=True):
+                link_checkpoint(source, engine_dir / name)
+            paths = []
+        else:
+            graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
+            paths = export_engines_onnx(graphs, spec, engine_dir, quantization=quantization)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)

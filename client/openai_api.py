@@ -270,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, KeyError, OSError) as failure:
         print(f"dflash-openai: error: {args.repo} is not a dflash-build repository ({failure})", file=sys.stderr)
         return 2
-    import uvicorn
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        print("dflash-openai: error: it needs FastAPI and uvicorn: pip install 'dflash-trt[serve]'", file=sys.stderr)
+        return 2
 
     print(
         f"dflash-openai: serving {frontend.model!r} on http://{args.host}:{args.port}/v1 -> Triton {args.triton_url}",

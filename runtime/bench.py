@@ -182,8 +182,10 @@ def zlab_rates(
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
     """PNG: per-position acceptance and tokens-per-step histogram (DFlash), and tok/s of every method."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("dflash-bench: error: --plot needs matplotlib: pip install 'dflash-trt[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

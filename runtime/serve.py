@@ -40,7 +40,8 @@ def _bundled_triton() -> TritonInstall:
         import pytriton
     except ImportError:
         raise RuntimeError(
-            "no tritonserver found: install nvidia-pytriton==0.7.0 or run inside the NVIDIA Triton container"
+            "no tritonserver found: pip install 'dflash-trt[serve]' (the tritonserver bundled in nvidia-pytriton) "
+            "or run inside the NVIDIA Triton container"
         ) from None
     root = Path(pytriton.__file__).resolve().parent / "tritonserver"
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"

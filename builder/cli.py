@@ -44,14 +44,14 @@ DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def choose_backend(requested: str) -> str:
-    """`auto` picks only a backend the runtime can serve: torch-cuda on a GPU, ONNX Runtime on the CPU (TensorRT
-    plans are built only when asked for, until a TensorRT runner exists)."""
+    """`auto` picks only a backend whose serving has been verified: torch-cuda on a GPU (its code path, on the
+    CPU), ONNX Runtime on the CPU. TensorRT plans are built when asked for: their runner has never run."""
     if requested != "auto":
         return requested
     if tensorrt_available() and torch.cuda.is_available():
         print(
-            "[dflash-build] TensorRT and a GPU are here, but the runtime cannot serve TensorRT plans yet: building "
-            "torch-cuda engines (--backend tensorrt builds plans anyway)",
+            "[dflash-build] TensorRT and a GPU are here, but the TensorRT runner has never been run: building "
+            "torch-cuda engines (--backend tensorrt builds plans)",
             file=sys.stderr,
         )
     return "torch-cuda" if torch.cuda.is_available() else "onnxruntime"

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
+from dflash_trt.runtime.tensorrt_runner import TensorRTRunner, tensorrt_runtime_available
 
 
 def read_manifest(engine_dir: Path) -> dict[str, Any]:
@@ -20,7 +21,7 @@ def read_manifest(engine_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-SERVABLE = {"onnxruntime": "cpu", "torch-cuda": "cuda"}  # backends this runtime can run, and the device of each
+SERVABLE = {"onnxruntime": "cpu", "torch-cuda": "cuda", "tensorrt": "cuda"}  # backends the runtime runs, and where
 TORCH_DEVICE_ENV = "DFLASH_TRT_TORCH_DEVICE"  # "cpu": run a torch-cuda repository's graphs on the CPU (tests)
 TORCH_ENGINE_DIRS = ("target", "drafter")  # a torch-cuda engine directory: the pair's checkpoints, as given
 
@@ -36,6 +37,11 @@ def check_servable(manifest: dict[str, Any], where: Path, device: str | None = N
         )
     if backend == "torch-cuda":
         torch_device(device)
+    if backend == "tensorrt" and not tensorrt_runtime_available():
+        raise RuntimeError(
+            f"{where} holds TensorRT plans: serving them needs TensorRT 10+ and a CUDA GPU (the NVIDIA Triton "
+            "container on a GPU); rebuild with dflash-build --backend torch-cuda (GPU) or --backend onnxruntime (CPU)"
+        )
 
 
 def torch_device(requested: str | None = None) -> torch.device:
@@ -72,6 +78,9 @@ def load_engine(
     check_servable(manifest, engine_dir, device)
     if manifest["backend"] == "torch-cuda":
         return load_torch_engine(engine_dir, spec, max_batch, torch_device(device)), manifest
+    if manifest["backend"] == "tensorrt":
+        gpu = torch.device("cuda")
+        return GraphEngine(TensorRTRunner(engine_dir, spec, gpu), spec, max_batch, gpu), manifest
     settings = SessionSettings(**manifest["session"])
     if threads is not None:
         settings = SessionSettings(threads, settings.graph_optimization)

@@ -134,8 +134,8 @@ def test_served_sampling_refuses_bad_values(fields: tuple[float, int, float | No
 def test_engines_the_runtime_cannot_run_are_refused_before_serving(
     tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A repository of TensorRT plans: load_engine and dflash-serve refuse it naming the rebuild, and the manifest of
-    a default build says what it needs."""
+    """A repository of TensorRT plans where TensorRT cannot run, or of an unknown backend: load_engine and
+    dflash-serve refuse it naming the rebuild; the manifest of a default build says what it needs."""
     from dflash_trt.runtime.repository import load_engine
     from dflash_trt.runtime.serve import main as dflash_serve
 
@@ -143,10 +143,15 @@ def test_engines_the_runtime_cannot_run_are_refused_before_serving(
     assert (built["backend"], built["device"]) == ("onnxruntime", "cpu")  # --backend auto, no TensorRT here
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)
-    for path in (repo / "dflash-manifest.json", repo / "dflash/1/engine/manifest.json"):
+    manifests = (repo / "dflash-manifest.json", repo / "dflash/1/engine/manifest.json")
+    for path in manifests:
         manifest = json.loads(path.read_text())
         path.write_text(json.dumps({**manifest, "backend": "tensorrt", "device": "cuda"}))
-    with pytest.raises(RuntimeError, match="holds tensorrt engines.*rebuild with dflash-build --backend onnxruntime"):
+    with pytest.raises(RuntimeError, match="holds TensorRT plans: serving them needs TensorRT 10.*--backend torch-cuda"):
         load_engine(repo)
     assert dflash_serve([str(repo), "--grpc-port", "1", "--http-port", "2", "--metrics-port", "3"]) == 2
-    assert "holds tensorrt engines (device cuda)" in capsys.readouterr().err
+    assert "holds TensorRT plans" in capsys.readouterr().err
+    for path in manifests:
+        path.write_text(json.dumps({**json.loads(path.read_text()), "backend": "openvino"}))
+    assert dflash_serve([str(repo), "--grpc-port", "1", "--http-port", "2", "--metrics-port", "3"]) == 2
+    assert "holds openvino engines" in capsys.readouterr().err

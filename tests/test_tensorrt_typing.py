@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = ROOT / "builder" / "tensorrt_engine.py"
 PLUGINS = ROOT / "plugins" / "tensorrt_plugins.py"
+RUNNER = ROOT / "runtime" / "tensorrt_runner.py"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def _mypy(path: Path, stubs: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env={**os.environ, "MYPYPATH": str(stubs)}, cwd=ROOT)
 
 
-@pytest.mark.parametrize("module", [MODULE, PLUGINS], ids=lambda p: p.name)
+@pytest.mark.parametrize("module", [MODULE, PLUGINS, RUNNER], ids=lambda p: p.name)
 def test_tensorrt_modules_type_check(module: Path, stubs: Path) -> None:
     result = _mypy(module, stubs)
     assert result.returncode == 0, result.stdout
@@ -61,3 +62,19 @@ def test_planted_plugin_api_errors_fail_the_check(correct: str, planted: str, me
     result = _mypy(path, stubs)
     assert result.returncode != 0
     assert message in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("correct", "planted", "message"),
+    [
+        ("context.execute_async_v3(", "context.execute_async_v4(", '"IExecutionContext" has no attribute "execute_async_v4"'),
+        ("context.set_tensor_address(name, tensor.data_ptr())", "context.set_tensor_address(name, tensor)", "set_tensor_address"),
+    ],
+)
+def test_planted_runner_api_errors_fail_the_check(correct: str, planted: str, message: str, stubs: Path, tmp_path: Path) -> None:
+    source = RUNNER.read_text()
+    assert correct in source
+    path = tmp_path / "tensorrt_runner_planted.py"
+    path.write_text(source.replace(correct, planted))
+    result = _mypy(path, stubs)
+    assert result.returncode != 0 and message in result.stdout, result.stdout

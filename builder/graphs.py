@@ -288,9 +288,15 @@ def graph_module(graphs: DFlashGraphs, name: str) -> DFlashGraphs:
 
 
 def torch_engine(
-    target: TargetNetwork, drafter: DrafterNetwork, max_seq_len: int, block_size: int | None = None, max_batch: int = 1
+    target: TargetNetwork,
+    drafter: DrafterNetwork,
+    max_seq_len: int,
+    block_size: int | None = None,
+    max_batch: int = 1,
+    device: torch.device | str = "cpu",
 ) -> GraphEngine:
-    """The torch reference engine for a loaded pair, with a pool of `max_batch` slots."""
+    """The torch engine for a loaded pair, with a pool of `max_batch` slots on `device`: the reference on the CPU,
+    the torch-cuda backend on a GPU."""
     if tuple(target.tap_layer_ids) != tuple(drafter.config.target_layer_ids):
         raise ValueError(
             f"target taps {target.tap_layer_ids} != drafter target_layer_ids {drafter.config.target_layer_ids}; "
@@ -303,4 +309,5 @@ def torch_engine(
         )
     size = block_size or drafter.config.block_size
     spec = engine_spec(target, drafter, size, max_seq_len, max_batch)
-    return GraphEngine(TorchRunner(DFlashGraphs(target, drafter, size, spec.positions), spec), spec)
+    runner = TorchRunner(DFlashGraphs(target, drafter, size, spec.positions), spec, device)
+    return GraphEngine(runner, spec, max_batch, device)

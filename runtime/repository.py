@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_trt.runtime.engine import EngineSpec, GraphEngine, TorchRunner
+from dflash_trt.runtime.engine import EngineSpec, GraphEngine
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
 from dflash_trt.runtime.tensorrt_runner import TensorRTRunner, tensorrt_runtime_available
 
@@ -90,9 +90,8 @@ def load_engine(
 
 def load_torch_engine(engine_dir: Path, spec: EngineSpec, max_batch: int | None, device: torch.device) -> GraphEngine:
     """The pair's checkpoints in the engine directory, loaded in the engine's dtype, their graphs run by torch."""
-    from dflash_trt.builder.graphs import DFlashGraphs
+    from dflash_trt.builder.graphs import torch_engine
     from dflash_trt.builder.networks import load_pair
 
     target, drafter = load_pair(engine_dir / "target", engine_dir / "drafter", spec.torch_dtype)
-    graphs = DFlashGraphs(target, drafter, spec.block_size, spec.positions)
-    return GraphEngine(TorchRunner(graphs, spec, device), spec, max_batch, device)
+    return torch_engine(target, drafter, spec.max_seq_len, spec.block_size, max_batch or spec.max_batch_size, device)

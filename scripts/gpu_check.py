@@ -4,6 +4,10 @@
    5 layers, B=16, block 16) for contexts of 1k, 8k and 32k: max error, median time (CUDA events) of kernel
    and reference, and achieved memory bandwidth against the GPU's peak (H200: ~4.3 TB/s usable of 4.8).
 2. A torch target step at Qwen3-8B size (random bf16 weights): verifying 16 tokens vs one plain decode step.
+3. The torch-cuda engine (the same graphs and runner `dflash-build --backend torch-cuda` serves): a small random
+   qwen3 pair in float32 decoded greedily on the GPU and on the CPU (identical tokens?), then plain decoding and
+   DFlash at Qwen3-8B target size in bf16 (random weights, so drafts are rarely accepted: the tok/s show the cost
+   of a step, not DFlash's speed-up).
 
 --smoke runs the same code at toy sizes on CPU (Triton interpreter) so CI keeps the script working.
 """
@@ -28,9 +32,12 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 from dflash_trt.builder.checkpoints import parse_target_config  # noqa: E402
-from dflash_trt.builder.networks import TargetNetwork  # noqa: E402
+from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter  # noqa: E402
+from dflash_trt.builder.graphs import torch_engine  # noqa: E402
+from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork  # noqa: E402
 from dflash_trt.plugins.block_denoise import block_denoise, block_denoise_triton  # noqa: E402
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap, hidden_state_tap_triton  # noqa: E402
+from dflash_trt.runtime.loop import generate, generate_plain  # noqa: E402
 
 PEAK_BANDWIDTH = 4.3e12  # bytes/s, H200 achievable
 
@@ -137,6 +144,44 @@ def check_target_step(sizes: Sizes, device: str, dtype: torch.dtype, context: in
             "verify_over_decode": verify_s / decode_s}  # fmt: skip
 
 
+def random_pair(sizes: Sizes, vocab: int, dtype: torch.dtype, seed: int) -> tuple[TargetNetwork, DrafterNetwork]:
+    """A qwen3 target of `sizes` and a 1-layer drafter tapping 2 of its layers (1 below 4 layers), random weights."""
+    config = parse_target_config({
+        "model_type": "qwen3", "vocab_size": vocab, "hidden_size": sizes.hidden,
+        "intermediate_size": sizes.target_intermediate, "num_hidden_layers": sizes.target_layers,
+        "num_attention_heads": sizes.heads, "num_key_value_heads": sizes.kv_heads, "head_dim": sizes.head_dim,
+        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    })  # fmt: skip
+    taps = 2 if sizes.target_layers >= 4 else 1  # (z-lab's tap placement needs 4 layers for 2 taps)
+    drafter = init_drafter(drafter_config_dict(config, num_layers=1, block_size=sizes.block, num_taps=taps), seed=seed)
+    torch.manual_seed(seed)
+    target = TargetNetwork(config, tuple(drafter.config.target_layer_ids))
+    for parameter in target.parameters():  # decisive logits: greedy choices that rounding does not flip
+        torch.nn.init.normal_(parameter, std=0.08)
+    return target.to(dtype).eval(), drafter.to(dtype).eval()
+
+
+@torch.no_grad()
+def check_engine(sizes: Sizes, device: str, dtype: torch.dtype, max_tokens: int = 64) -> list[dict[str, object]]:
+    prompt = list(range(3, 40))
+    small = Sizes(256, 4, 2, 64, 1, 1, 16, (), 4, 512, 1024, 1)
+    target, drafter = random_pair(small, small.vocab, torch.float32, seed=0)
+    on_cpu = generate(torch_engine(target, drafter, 512), prompt, max_tokens).tokens
+    on_device = generate(torch_engine(target, drafter, 512, device=device), prompt, max_tokens).tokens
+    rows: list[dict[str, object]] = [{"op": "torch-cuda engine", "pair": "small random qwen3, float32",
+                                      "device": device, "greedy_identical_to_cpu": on_device == on_cpu}]  # fmt: skip
+    target, drafter = random_pair(sizes, sizes.vocab, dtype, seed=1)
+    engine = torch_engine(target, drafter, 2048, device=device)
+    for name, decode in (("plain", generate_plain), ("dflash", generate)):
+        decode(engine, prompt, 8)  # warm-up
+        began = time.perf_counter()
+        out = decode(engine, prompt, max_tokens)
+        seconds = time.perf_counter() - began
+        rows.append({"op": "torch-cuda engine", "mode": name, "target_layers": sizes.target_layers,
+                     "tok_s": len(out.tokens) / seconds, "tau": out.stats.tau})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="toy sizes (runs on CPU through the Triton interpreter)")
@@ -152,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [check_block_denoise(sizes, context, device, dtype) for context in sizes.contexts]
     results.append(check_hidden_state_tap(sizes, device, dtype))
     results.append(check_target_step(sizes, device, dtype))
+    results += check_engine(sizes, device, dtype)
     for row in results:
         print(json.dumps(row), flush=True)
     return 0

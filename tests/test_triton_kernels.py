@@ -169,10 +169,13 @@ def test_gpu_check_script_runs_at_smoke_size() -> None:
     result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r.get("op") for r in rows[1:]] == ["BlockDenoise", "HiddenStateTap", "target step"]
+    ops = ["BlockDenoise", "HiddenStateTap", "target step", "torch-cuda engine", "torch-cuda engine", "torch-cuda engine"]
+    assert [r.get("op") for r in rows[1:]] == ops
     for row in rows[1:3]:
         assert row["max_abs_error"] <= TOLERANCE[torch.bfloat16] * 2
     assert rows[3]["verify_over_decode"] > 0
+    assert rows[4]["greedy_identical_to_cpu"] is True  # the engine path on its own device (the CPU here)
+    assert [r["mode"] for r in rows[5:]] == ["plain", "dflash"] and all(r["tok_s"] > 0 for r in rows[5:])
 
 
 GDN_CASES = {

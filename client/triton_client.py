@@ -147,9 +147,12 @@ def grpc_stream(
     """One decoupled request over a gRPC stream: yields each non-empty response's named outputs."""
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
-        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        try:
+            client.start_stream(callback=lambda result, error: answers.put((result, error)))
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        except grpcclient.InferenceServerException as failure:  # the stream failed before the request went out
+            raise StreamBroken(f"{url}: {failure.message()}") from None
         while True:
             try:
                 result, error = answers.get(timeout=timeout)

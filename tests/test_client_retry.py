@@ -64,3 +64,13 @@ def test_an_error_answered_by_the_model_is_not_retried() -> None:
     with pytest.raises(ServerError, match="max_tokens=0"):
         list(resumed(attempt, "tokens", Request(), FAST))
     assert len(calls) == 1
+
+
+def test_a_replica_that_is_not_there_is_tried_again_and_the_error_says_so() -> None:
+    """A refused connection (a replica gone) breaks the stream before any answer; each try is named in the error."""
+    from dflash_trt.client.triton_client import stream_tokens
+    from dflash_trt.runtime.serve import free_port
+
+    url = f"localhost:{free_port()}"  # nothing listens there
+    with pytest.raises(StreamBroken, match=r"gave up after 2 tries: try 1: .*; try 2: "):
+        list(stream_tokens(url, [1, 2, 3], Request(4), retry=Retry(tries=2, backoff_seconds=0.0)))

@@ -48,33 +48,21 @@ def test_a_planted_misspelling_fails_the_check(stubs: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
-    ("correct", "planted", "message"),
+    ("module", "correct", "planted", "message"),
     [
-        ("launch.grid_y = ", "launch.grid_yy = ", '"KernelLaunchParams" has no attribute "grid_yy"'),
-        ("trtp.SymIntExprs(1)", "trtp.SymIntExprs('1')", 'Argument 1 to "SymIntExprs" has incompatible type "str"'),
+        (PLUGINS, "launch.grid_y = ", "launch.grid_yy = ", '"KernelLaunchParams" has no attribute "grid_yy"'),
+        (PLUGINS, "trtp.SymIntExprs(1)", "trtp.SymIntExprs('1')", 'Argument 1 to "SymIntExprs" has incompatible type "str"'),
+        (RUNNER, "execute_async_v3(", "execute_async_v4(", '"IExecutionContext" has no attribute "execute_async_v4"'),
+        (RUNNER, "set_tensor_address(name, tensor.data_ptr())", "set_tensor_address(name, tensor)", "set_tensor_address"),
     ],
+    ids=["plugin-attribute", "plugin-argument", "runner-attribute", "runner-argument"],
 )
-def test_planted_plugin_api_errors_fail_the_check(correct: str, planted: str, message: str, stubs: Path, tmp_path: Path) -> None:
-    source = PLUGINS.read_text()
+def test_planted_api_errors_fail_the_check(
+    module: Path, correct: str, planted: str, message: str, stubs: Path, tmp_path: Path
+) -> None:
+    source = module.read_text()
     assert correct in source
-    path = tmp_path / "tensorrt_plugins_planted.py"
-    path.write_text(source.replace(correct, planted))
-    result = _mypy(path, stubs)
-    assert result.returncode != 0
-    assert message in result.stdout
-
-
-@pytest.mark.parametrize(
-    ("correct", "planted", "message"),
-    [
-        ("context.execute_async_v3(", "context.execute_async_v4(", '"IExecutionContext" has no attribute "execute_async_v4"'),
-        ("context.set_tensor_address(name, tensor.data_ptr())", "context.set_tensor_address(name, tensor)", "set_tensor_address"),
-    ],
-)
-def test_planted_runner_api_errors_fail_the_check(correct: str, planted: str, message: str, stubs: Path, tmp_path: Path) -> None:
-    source = RUNNER.read_text()
-    assert correct in source
-    path = tmp_path / "tensorrt_runner_planted.py"
+    path = tmp_path / f"{module.stem}_planted.py"
     path.write_text(source.replace(correct, planted))
     result = _mypy(path, stubs)
     assert result.returncode != 0 and message in result.stdout, result.stdout

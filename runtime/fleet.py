@@ -32,6 +32,7 @@ class Replica:
     process: subprocess.Popen[bytes]
     log: Path
     cores: str | None
+    reaped: bool = False  # its exit was seen and its process group killed
 
     @property
     def alive(self) -> bool:
@@ -116,14 +117,16 @@ class Fleet:
 
     def reap(self) -> list[Replica]:
         """Replicas that died since the last call: their process groups (backend stubs included) are killed."""
-        dead = [r for r in self.replicas if not r.alive and _group_exists(r.process.pid)]
+        dead = [r for r in self.replicas if not r.alive and not r.reaped]
         for replica in dead:
             _signal_group(replica.process.pid, signal.SIGKILL)
+            replica.reaped = True
         return dead
 
     def restart(self, replica: Replica) -> None:
         """Start a dead replica again on its ports (the balancer's checks take it back once it is ready)."""
         replica.process = start_server(self.repo, replica.ports, replica.log, unary=self.unary, cores=replica.cores)
+        replica.reaped = False
 
     def stop(self, timeout: float = 60.0) -> dict[str, int | None]:
         """SIGTERM every replica at once (their in-flight streams finish, still relayed by the balancer), then stop
@@ -163,14 +166,6 @@ class Fleet:
             )
         lines.append(f"  haproxy: pid {self.balancer.pid if self.balancer else '-'}, config {self.work_dir}/haproxy.cfg")
         return "\n".join(lines)
-
-
-def _group_exists(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 def _signal_group(pgid: int, signum: int) -> None:

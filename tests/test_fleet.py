@@ -1,5 +1,6 @@
 """A fleet on one machine, for real: `dflash-serve --replicas 3` (tritonserver replicas behind HAProxy), greedy
-requests from concurrent clients, one replica SIGKILLed and one SIGTERMed mid-load."""
+requests from concurrent clients, one replica SIGKILLed mid-load (token streams, `dflash` model) and one
+SIGTERMed mid-load (text streams through the `ensemble`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from dflash_trt.client.triton_client import Request, stream_tokens
+from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.client.triton_client import Request, stream_text, stream_tokens
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.serve import free_port
+from transformers import AutoTokenizer
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,13 +42,18 @@ def _gauge(metrics_url: str, name: str) -> float:
     return float(match.group(1))
 
 
-def _load(url: str, prompts: list[list[int]]) -> tuple[dict[int, object], list[threading.Thread]]:
-    """Each prompt streamed on its own thread (one stream per request, retried by the client if it breaks)."""
+def _load(url: str, prompts: list[list[int]] | list[str]) -> tuple[dict[int, object], list[threading.Thread]]:
+    """Each prompt streamed on its own thread (one stream per request, retried by the client if it breaks): token
+    ids through the `dflash` model, text through the `ensemble` (its completion text)."""
     results: dict[int, object] = {}
 
     def run(index: int) -> None:
+        prompt = prompts[index]
         try:
-            results[index] = [t for r in stream_tokens(url, prompts[index], Request(MAX_TOKENS)) for t in r["tokens"]]
+            if isinstance(prompt, str):
+                results[index] = "".join(r["text"] for r in stream_text(url, prompt, Request(MAX_TOKENS)))
+            else:
+                results[index] = [t for r in stream_tokens(url, prompt, Request(MAX_TOKENS)) for t in r["tokens"]]
         except Exception as error:  # surfaced by the assertion, with its message
             results[index] = error
 
@@ -72,8 +80,14 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)  # its own path: every process of this fleet names it
     engine, _ = load_engine(repo)
-    first, second = _prompts(36, 0), _prompts(12, 40)
-    expected = {tuple(p): generate(engine, p, MAX_TOKENS).tokens for p in first + second}
+    tokenizer = AutoTokenizer.from_pretrained(repo / TOKENIZER_DIR)
+    first = _prompts(36, 0)
+    expected = {tuple(p): generate(engine, p, MAX_TOKENS).tokens for p in first}
+    second = [f"w3 w14 w{1 + k} w{20 + 3 * k}" for k in range(12)]  # text, through the ensemble
+    expected_text = {
+        t: tokenizer.decode(generate(engine, tokenizer(t)["input_ids"], MAX_TOKENS).tokens, skip_special_tokens=True)
+        for t in second
+    }
     grpc_port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "dflash_trt.runtime.serve", str(repo), "--replicas", "3"]
     command += ["--grpc-port", str(grpc_port), "--http-port", str(http_port)]
@@ -96,7 +110,8 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
         for prompt_index, prompt in enumerate(first):
             assert results[prompt_index] == expected[tuple(prompt)], f"request {prompt_index}: {results[prompt_index]}"
 
-        # SIGTERM replica0 while it streams: its streams finish, and requests sent after it go elsewhere.
+        # SIGTERM replica0 while it streams through the ensemble (a front model calling dflash): its streams finish,
+        # and requests sent after it go elsewhere.
         results, threads = _load(url, second[:6])
         deadline = time.perf_counter() + 30
         while _gauge(replicas["replica0"][1], "dflash_running_requests") == 0:
@@ -106,10 +121,10 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
         later, later_threads = _load(url, second[6:])
         for thread in threads + later_threads:
             thread.join(timeout=120)
-        for index, prompt in enumerate(second[:6]):
-            assert results[index] == expected[tuple(prompt)], f"in flight at SIGTERM, request {index}: {results[index]}"
-        for index, prompt in enumerate(second[6:]):
-            assert later[index] == expected[tuple(prompt)], f"sent after SIGTERM, request {index}: {later[index]}"
+        for index, text in enumerate(second[:6]):
+            assert results[index] == expected_text[text], f"in flight at SIGTERM, request {index}: {results[index]}"
+        for index, text in enumerate(second[6:]):
+            assert later[index] == expected_text[text], f"sent after SIGTERM, request {index}: {later[index]}"
     finally:
         fleet.send_signal(signal.SIGTERM)
         code = fleet.wait(90)

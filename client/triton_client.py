@@ -45,7 +45,6 @@ class Retry:
         time.sleep(min(self.backoff_seconds * 2 ** (failed_tries - 1), self.max_backoff_seconds))
 
 
-NO_RETRY = Retry(tries=1)
 # Answers of a replica that is shutting down (tritonserver after SIGTERM): another replica can serve the request.
 SHUTTING_DOWN = ("Server not ready", "has no available versions", "Request for unknown model")
 

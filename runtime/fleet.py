@@ -151,10 +151,6 @@ class Fleet:
             _signal_group(self.balancer.pid, signal.SIGKILL)
         return codes
 
-    @property
-    def process_groups(self) -> list[int]:
-        return [r.process.pid for r in self.replicas] + ([self.balancer.pid] if self.balancer else [])
-
     def describe(self) -> str:
         lines = [f"  gRPC     localhost:{self.front.grpc}  (HAProxy, per-stream least connections)"]
         lines.append(f"  HTTP     http://localhost:{self.front.http}")

@@ -114,27 +114,34 @@ class AdaptiveVerify:
     explore_extra: int = 2
     explore_budget: float = 100.0
     decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
+    evidence_floor: float = 8.0  # observations per position that decay leaves (see _learn_acceptance)
     graph_when_idle: str = "verify"
-    verified: np.ndarray = field(init=False)  # [B]: steps that verified position j (index 0 unused)
-    accepted: np.ndarray = field(init=False)  # [B]: of those, steps whose drafts 1..j were all accepted
+    reached: np.ndarray = field(init=False)  # [B]: steps that verified draft j with drafts 1..j-1 accepted (0 unused)
+    accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
     looks: int = 0  # explorations so far (odd ones look below the chosen k)
+    shapes_run: set[tuple[str, int, int, int]] = field(default_factory=set)  # (graph, batch, width, drafted) seen
 
     def __post_init__(self) -> None:
-        self.verified = np.ones(self.block_size)  # a weak prior: a third of each position accepted
-        self.accepted = np.full(self.block_size, 1 / 3)
+        self.reached = np.ones(self.block_size)  # a weak prior: each draft accepted half the times it is reached
+        self.accepted = np.full(self.block_size, 0.5)
 
     def acceptance(self) -> np.ndarray:
-        """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1)."""
-        rates = self.accepted / self.verified
-        rates[0] = 1.0
-        return np.minimum.accumulate(np.clip(rates, 0.0, 1.0))
+        """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1), the product of each draft's acceptance
+        once the drafts before it were accepted: a draft never reached keeps the prior's one half, so what lies past
+        the observed drafts is worth less and less, never as much as the last observed one."""
+        conditional = np.clip(self.accepted / self.reached, 0.0, 1.0)
+        conditional[0] = 1.0
+        return np.cumprod(conditional)
 
     def step_cost(self, batch: int, drafts: int) -> float | None:
-        """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on live
-        steps of that kind (`run{k}`, by batch), else from its parts (verify by tokens + drafting by batch)."""
-        if f"run{drafts}" in self.costs.seconds:
+        """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on steps
+        of that kind (`run{k}`) at this batch size or between two measured ones, else from its parts (verify by
+        tokens + drafting by batch): per-row costs fall with the batch, so a larger batch is never extrapolated
+        from a smaller one's steps."""
+        runs = self.costs.seconds.get(f"run{drafts}", {})
+        if batch in runs or (runs and min(runs) < batch < max(runs)):
             return self.costs.estimate(f"run{drafts}", batch)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
@@ -170,6 +177,14 @@ class AdaptiveVerify:
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         self.since_look += seconds
+        self._learn_acceptance(width, accept_lens)
+        shape = (graph, batch, width, drafted)
+        if shape not in self.shapes_run:  # a shape's first call also plans its memory: not what the shape costs
+            self.shapes_run.add(shape)
+            return
+        self._record_cost(graph, batch, width, seconds, drafted)
+
+    def _record_cost(self, graph: str, batch: int, width: int, seconds: float, drafted: int) -> None:
         if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is
             self.costs.record(f"run{drafted}", batch, seconds)
         if graph == "verify":
@@ -178,29 +193,40 @@ class AdaptiveVerify:
             verify = self.costs.estimate("verify", batch * width)
             if verify is not None:
                 self.costs.record(f"draft{drafted}", batch, max(seconds - verify, 0.0))
-        self.verified *= self.decay
-        self.accepted *= self.decay
+
+    def _learn_acceptance(self, width: int, accept_lens: list[int]) -> None:
+        """Count what a step verified and accepted. Old observations decay, but never below `evidence_floor` per
+        position: a long run of plain steps keeps what was learned before it, and one lucky look then weighs one in
+        nine, not all there is."""
+        fading = np.maximum(self.decay, np.minimum(self.evidence_floor / self.reached, 1.0))  # [B]
+        self.reached *= fading
+        self.accepted *= fading
         for accept_len in accept_lens:
-            self.verified[1:width] += 1
+            self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
             self.accepted[1 : accept_len + 1] += 1
 
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
-        """Time the verify graph at 1 and B tokens per row and drafting at batch 1, 2, 4 ... (on free slots,
-        throw-away rows at `context` positions, at most half the engine's length) so that the first choices are
-        informed; live steps then measure the steps they run."""
-        batch = 1
+        """Time, on free slots with throw-away rows at `context` positions (at most half the engine's length): at
+        batch 1, the step for every k (verify k drafts, draft k); at batch 1, 2, 4 ..., the verify graph at 1 and
+        B tokens per row and drafting. The first choices are then informed, and every batch-1 shape has run once;
+        live steps measure the steps they run."""
         drafts = engine.block_size - 1
         start = min(context, engine.max_seq_len // 2)
+        for k in range(1, engine.block_size):
+            self._calibrated("step", 1, k + 1, k, _time_call(engine, "step", 1, k + 1, k, start))
+        batch = 1
         while batch <= engine.pool.free_slots and batch <= max_tokens:
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
-                    seconds = _time_call(engine, "verify", batch, width, drafts, start)
-                    self.costs.record("verify", batch * width, seconds)
-                    if width == 1:
-                        self.costs.record("run0", batch, seconds)
+                    self._calibrated("verify", batch, width, 0, _time_call(engine, "verify", batch, width, drafts, start))
             if batch * engine.block_size <= max_tokens:
-                self.observe("step", batch, 1, _time_call(engine, "step", batch, 1, drafts, start), [], drafts)
+                self._calibrated("step", batch, 1, drafts, _time_call(engine, "step", batch, 1, drafts, start))
             batch *= 2
+
+    def _calibrated(self, graph: str, batch: int, width: int, drafted: int, seconds: float) -> None:
+        """A timed call of a shape that has run before (`_time_call` warms it up): its cost as it is."""
+        self.shapes_run.add((graph, batch, width, drafted))
+        self._record_cost(graph, batch, width, seconds, drafted)
 
 
 def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 3) -> float:

@@ -89,7 +89,7 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     policy.costs.record("draft15", 1, 1.0)
     assert policy.choose(1) == 0
     policy.costs.seconds["draft15"] = {1: 0.001}
-    policy.accepted[1:] = policy.verified[1:]  # every draft accepted so far: verifying all pays
+    policy.accepted[1:] = policy.reached[1:]  # every draft accepted so far: verifying all pays
     assert policy.choose(1) == engine.block_size - 1
     policy.accepted[3:] = 0.0  # nothing past the second draft is ever accepted: verify two
     assert policy.choose(1) == 2
@@ -99,6 +99,39 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     live.calibrate(engine)
     _run_all(Scheduler(engine, live), requests)
     assert [r.tokens for r in requests] == alone
+
+
+def test_adaptive_verify_learns_costs_from_warm_shapes_only() -> None:
+    """A shape's first call (which also plans its memory) is not taken for its cost; later ones are; a batch-1
+    step cost is not stretched to a larger batch (per-row costs fall with the batch): that comes from its parts."""
+    policy = AdaptiveVerify(16, StepCosts())
+    policy.observe("step", 1, 3, 0.500, [1], drafted=2)  # first call of this shape: slow
+    assert "run2" not in policy.costs.seconds
+    policy.observe("step", 1, 3, 0.030, [1], drafted=2)
+    assert policy.costs.seconds["run2"] == {1: 0.030}
+    assert policy.step_cost(1, 2) == 0.030
+    assert policy.step_cost(4, 2) is None, "no verify or drafting cost known at batch 4"
+    policy.costs.record("verify", 12, 0.040)
+    policy.costs.record("draft2", 4, 0.010)
+    assert policy.step_cost(4, 2) == pytest.approx(0.050)
+
+
+def test_adaptive_verify_is_not_switched_on_by_one_lucky_draft() -> None:
+    """After a long run of plain steps the decayed evidence is thin; one accepted look must not turn drafting back
+    on when drafting costs 30% more, while steady acceptance does."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9)
+    for k in range(16):
+        policy.costs.record(f"run{k}", 1, 0.024 if k == 0 else 0.031 + 0.001 * k)
+    for _ in range(50):
+        policy.observe("step", 1, 3, 0.033, [0], drafted=2)  # drafts never accepted
+    assert policy.choose(1) == 0
+    for _ in range(2000):
+        policy.observe("verify", 1, 1, 0.024, [0])  # a long run of plain steps: evidence decays
+    policy.observe("step", 1, 3, 0.033, [2], drafted=2)  # one look, both drafts accepted
+    assert policy.choose(1) == 0
+    for _ in range(30):
+        policy.observe("step", 1, 3, 0.033, [2], drafted=2)
+    assert policy.choose(1) > 0
 
 
 def test_seeded_sampling_equals_plain_sampling_with_the_same_seed(engine: GraphEngine) -> None:

@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="weight quantization of the linear layers: none | int8 | int4 (ONNX Runtime, MatMulNBits; "
         "docs/quantization.md has the policy and measured quality)",
     )
+    parser.add_argument(
+        "--quantize-drafter",
+        metavar="MODE",
+        help="the drafter's side on its own (its layers, tap projection and LM-head copy): none | int8 | int4; drafts "
+        "are verified, so this changes acceptance and speed, never output (default: as --quantize)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
     parser.add_argument("--output", type=Path, help="model repository directory to write")
@@ -153,6 +159,7 @@ def build(args: argparse.Namespace) -> Path | None:
         return None
     backend = choose_backend(args.backend)
     quantization = check_mode(args.quantize, backend)
+    drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
     if target_config.linear is not None and backend == "tensorrt":
         raise CheckpointError(
             f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) build for ONNX Runtime "
@@ -192,7 +199,7 @@ def build(args: argparse.Namespace) -> Path | None:
             paths = []
         else:
             graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
-            paths = export_engines_onnx(graphs, spec, engine_dir, quantization=quantization)
+            paths = export_engines_onnx(graphs, spec, engine_dir, quantization, drafter_quantization)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)
@@ -202,7 +209,7 @@ def build(args: argparse.Namespace) -> Path | None:
             "device": SERVABLE.get(backend, "cuda"),
             "engine": spec.to_json(),
             "session": asdict(settings),
-            "quantization": manifest_record(quantization),
+            "quantization": manifest_record(quantization, drafter_quantization),
             "tap_layer_ids": list(drafter.config.target_layer_ids),
             "eos_token_ids": list(target.config.eos_token_ids),
             "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir),

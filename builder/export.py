@@ -162,11 +162,13 @@ def export_engines_onnx(
     graphs: DFlashGraphs,
     spec: EngineSpec,
     directory: Path,
-    log: Callable[[str], None] | None = None,
     quantization: QuantizationMode = MODES["none"],
+    drafter_quantization: QuantizationMode | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[Path]:
-    """Export every graph of GRAPH_NAMES into `directory` (which must exist), its linear layers quantized as
-    `quantization` says; returns the graph paths."""
+    """Export every graph of GRAPH_NAMES into `directory` (which must exist), the target's linear layers quantized
+    as `quantization` says and the drafter's as `drafter_quantization` (default: the same); returns the graph
+    paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
     models = {}
     for name in GRAPH_NAMES:
@@ -174,9 +176,11 @@ def export_engines_onnx(
         say(f"[dflash-build] exporting the {name} graph to ONNX ...")
         models[name] = export_graph(graphs, spec, name)
         say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
-        if quantization.bits:
+        drafter_mode = drafter_quantization or quantization
+        if quantization.bits or drafter_mode.bits:
             began = time.perf_counter()
-            models[name] = quantize_graph(models[name], quantization)
-            say(f"[dflash-build]   {name}: linear layers quantized ({quantization.name}) in {time.perf_counter() - began:.1f} s")
+            models[name] = quantize_graph(models[name], quantization, drafter_mode)
+            modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
+            say(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {time.perf_counter() - began:.1f} s")
     save_with_shared_weights(models, directory)
     return [directory / f"{name}.onnx" for name in models]

@@ -8,6 +8,9 @@ Policy (the same for the target's and the drafter's linear layers; the drafter's
   bits or more too).
 - Embeddings stay in the engine's dtype (float32 on the CPU): a lookup reads one row per token, no arithmetic to save.
 - Activations, the hidden-state taps the drafter is conditioned on, the K/V states and every norm stay in it too.
+- `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
+  `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
+  the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
   The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
   float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
   its call; with the target's keys in position order (networks.TargetAttention) DFlash leaves bitwise what plain
@@ -48,27 +51,35 @@ MODES = {
 NOT_BUILT = ("fp8", "int4-awq")  # TensorRT's Q/DQ forms: named so that they are refused clearly
 
 
-def check_mode(name: str, backend: str) -> QuantizationMode:
-    """The mode, or a ValueError naming what runs where."""
+def check_mode(name: str, backend: str, option: str = "--quantize") -> QuantizationMode:
+    """The mode, or a ValueError naming what runs where (and the `option` it came from)."""
     mode = MODES.get(name)
     if mode is None:
-        raise ValueError(f"--quantize {name!r} is not a mode; choose one of {', '.join(MODES)}")
+        raise ValueError(f"{option} {name!r} is not a mode; choose one of {', '.join(MODES)}")
     if mode.backend and mode.backend != backend:
         runs_here = ", ".join(m.name for m in MODES.values() if m.backend in ("", backend))
         raise ValueError(
-            f"--quantize {name} builds {mode.backend} operators, and this build's backend is {backend}: "
+            f"{option} {name} builds {mode.backend} operators, and this build's backend is {backend}: "
             f"pass --backend {mode.backend}, or one of the {backend} modes ({runs_here})"
         )
     if name in NOT_BUILT:
         raise ValueError(
-            f"--quantize {name} ({mode.summary}) is not built yet: its Q/DQ export for TensorRT's ONNX parser needs "
+            f"{option} {name} ({mode.summary}) is not built yet: its Q/DQ export for TensorRT's ONNX parser needs "
             "calibration and a TensorRT to check against, and neither exists here (docs/quantization.md)"
         )
     return mode
 
 
-def manifest_record(mode: QuantizationMode) -> dict[str, object]:
-    """What the engine manifest says about the quantization (the policy of this module's docstring, as data)."""
+def manifest_record(mode: QuantizationMode, drafter_mode: QuantizationMode | None = None) -> dict[str, object]:
+    """What the engine manifest says about the quantization (the policy of this module's docstring, as data); a
+    drafter quantized on its own has a record of its own under "drafter"."""
+    record = _mode_record(mode)
+    if drafter_mode is not None and drafter_mode != mode:
+        record["drafter"] = _mode_record(drafter_mode)
+    return record
+
+
+def _mode_record(mode: QuantizationMode) -> dict[str, object]:
     if mode.bits == 0:
         return {"mode": mode.name}
     return {
@@ -101,22 +112,55 @@ def lm_head_nodes(model: onnx.ModelProto) -> list[str]:
     return [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in weights]
 
 
-def quantize_graph(model: onnx.ModelProto, mode: QuantizationMode) -> onnx.ModelProto:
-    """Every MatMul with a constant 2-D weight -> MatMulNBits (LM head at LM_HEAD_BITS). Deterministic, so the
+def drafter_nodes(model: onnx.ModelProto) -> list[str]:
+    """MatMul nodes with a constant weight on the drafter's side: everything outside the target network's module
+    scope (the exporter records each node's scopes). Each must read a drafter parameter or the LM head, else this
+    raises: a graph that computed target values outside the target's scope must not lose their precision."""
+    constants = {tensor.name for tensor in model.graph.initializer}
+    head = set(lm_head_nodes(model))
+    found = []
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or node.input[1] not in constants or "'target'" in _metadata(node, "name_scopes"):
+            continue
+        if node.name not in head and "p_drafter_" not in _metadata(node, "fx_node"):
+            raise ValueError(f"MatMul {node.name} is outside the target's scope but reads no drafter weight")
+        found.append(node.name)
+    return found
+
+
+def _metadata(node: onnx.NodeProto, key: str) -> str:
+    return next((p.value for p in node.metadata_props if p.key == f"pkg.torch.onnx.{key}"), "")
+
+
+def quantize_graph(
+    model: onnx.ModelProto, mode: QuantizationMode, drafter_mode: QuantizationMode | None = None
+) -> onnx.ModelProto:
+    """Every MatMul with a constant 2-D weight -> MatMulNBits at its side's bits (the target's `mode`, the drafter's
+    `drafter_mode`, default the same; an LM head at LM_HEAD_BITS when its side is quantized). Deterministic, so the
     graphs of one engine still share each quantized weight in weights.bin."""
-    if mode.bits == 0:
-        return model
+    drafter_mode = drafter_mode or mode
+    head = set(lm_head_nodes(model))
+    drafter = set(drafter_nodes(model)) if drafter_mode != mode else set()
+    matmuls = [node.name for node in model.graph.node if node.op_type == "MatMul"]
+    target = set(matmuls) - drafter
+    groups = [  # (bits, the nodes quantized at those bits)
+        (mode.bits, target - head),
+        (LM_HEAD_BITS if mode.bits else 0, target & head),
+        (drafter_mode.bits, drafter - head),
+        (LM_HEAD_BITS if drafter_mode.bits else 0, drafter & head),
+    ]
     quantizer_class = _matmul_nbits_quantizer()
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
     quantizer_log.setLevel(logging.WARNING)  # one INFO line per node it leaves alone
     settings = {"block_size": BLOCK_SIZE, "is_symmetric": True, "accuracy_level": ACCURACY_LEVEL}
     try:
-        head = lm_head_nodes(model)
-        for bits, exclude in ((mode.bits, head), (LM_HEAD_BITS, [])):  # pass 2: the head is the only float MatMul left
-            quantizer = quantizer_class(model, bits=bits, nodes_to_exclude=exclude, **settings)
-            quantizer.process()
-            model = quantizer.model.model
+        for bits, nodes in groups:
+            if bits and nodes:  # the quantizer takes every MatMul it is not told to leave alone
+                exclude = [node.name for node in model.graph.node if node.op_type == "MatMul" and node.name not in nodes]
+                quantizer = quantizer_class(model, bits=bits, nodes_to_exclude=exclude, **settings)
+                quantizer.process()
+                model = quantizer.model.model
     finally:
         quantizer_log.setLevel(level)
     return model

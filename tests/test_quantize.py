@@ -5,6 +5,7 @@ sampling through DFlash follows the quantized target's own distribution, and bad
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
 from dflash_trt.builder.export import all_nodes
-from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES
+from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.quality import block_logits, logits_engine
@@ -25,8 +26,6 @@ from transformers import Qwen3Config
 from tests.conftest import write_tiny_tokenizer
 from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, VOCAB, _chi_square_p, _dflash_counts, _pair
 
-CPU_MODES = [name for name, mode in MODES.items() if mode.backend == "onnxruntime"]
-
 
 def _build(target: Path, drafter: Path, output: Path, *options: str) -> Path:
     command = ["--model", str(target), "--drafter", str(drafter), "--output", str(output), "--backend", "onnxruntime"]
@@ -34,21 +33,29 @@ def _build(target: Path, drafter: Path, output: Path, *options: str) -> Path:
     return output
 
 
-@pytest.fixture(scope="module", params=CPU_MODES)
+# (target mode, drafter mode): each CPU mode for the target, and a drafter quantized on its own at other bits
+BUILDS = [("int8", "int4"), ("int4", "int4")]
+
+
+@pytest.fixture(scope="module", params=BUILDS, ids=[f"{t}-drafter-{d}" for t, d in BUILDS])
 def quantized_repo(
     request: pytest.FixtureRequest, tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[str, Path]:
-    output = tmp_path_factory.mktemp(f"quantized-{request.param}") / "repo"
-    return request.param, _build(
-        tiny_targets["qwen3"], trained_drafter, output, "--max-seq-len", "256", "--quantize", request.param
-    )
+) -> tuple[tuple[str, str], Path]:
+    target_mode, drafter_mode = request.param
+    output = tmp_path_factory.mktemp(f"quantized-{target_mode}-{drafter_mode}") / "repo"
+    options = ("--max-seq-len", "256", "--quantize", target_mode, "--quantize-drafter", drafter_mode)
+    return request.param, _build(tiny_targets["qwen3"], trained_drafter, output, *options)
 
 
-def test_graphs_hold_quantized_operators(quantized_repo: tuple[str, Path], tiny_repo: Path) -> None:
-    mode, repo = quantized_repo
+def test_graphs_hold_quantized_operators(quantized_repo: tuple[tuple[str, str], Path], tiny_repo: Path) -> None:
+    """Every linear layer with a constant weight is MatMulNBits at its side's bits: as many drafter-side layers at
+    the drafter's bits as the float build of the same pair has outside the target's scope, LM heads at 8 bits."""
+    (mode, drafter_mode), repo = quantized_repo
     engine_dir = repo / "dflash" / "1" / "engine"
     manifest = json.loads((engine_dir / "manifest.json").read_text())
-    assert manifest["quantization"]["mode"] == mode and manifest["quantization"]["lm_head_bits"] == LM_HEAD_BITS
+    record = manifest["quantization"]
+    assert record["mode"] == mode and record["lm_head_bits"] == LM_HEAD_BITS
+    assert record.get("drafter", record)["mode"] == drafter_mode
     vocab = manifest["engine"]["vocab_size"]
     for name in GRAPH_NAMES:
         model = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False)
@@ -58,11 +65,17 @@ def test_graphs_hold_quantized_operators(quantized_repo: tuple[str, Path], tiny_
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
         assert quantized and all(n.domain == "com.microsoft" for n in quantized)
         # The LM head: the last vocab-wide matmul (a projection may be as wide, earlier) and those sharing its weight,
-        # which weights.bin stores once (content-addressed: the same offset).
+        # which weights.bin stores once (content-addressed: the same offset, for the target's and the drafter's copy).
         offset = {t.name: next((e.value for e in t.external_data if e.key == "offset"), t.name) for t in model.graph.initializer}
-        head = offset[[n.input[1] for n in quantized if attribute(n, "N") == vocab][-1]]
-        bits = {(offset[n.input[1]] == head, attribute(n, "bits")) for n in quantized}
-        assert bits == {(False, MODES[mode].bits), (True, LM_HEAD_BITS)}, f"{name}: (is LM head, bits) {bits}"
+        float_graph = onnx.load(str(tiny_repo / "dflash" / "1" / "engine" / f"{name}.onnx"), load_external_data=False)
+        heads = set(lm_head_nodes(float_graph))
+        drafter_layers = len(set(drafter_nodes(float_graph)) - heads)
+        head = offset[[n.input[1] for n in quantized if attribute(n, "N") == vocab][-1]]  # the last: an LM head
+        bits = Counter((offset[n.input[1]] == head, attribute(n, "bits")) for n in quantized)
+        expected = Counter({(True, LM_HEAD_BITS): len(heads)})
+        expected[(False, MODES[mode].bits)] += len(quantized) - len(heads) - drafter_layers
+        expected[(False, MODES[drafter_mode].bits)] += drafter_layers
+        assert bits == +expected, f"{name}: (is LM head, bits) {bits}"
         assert {attribute(n, "accuracy_level") for n in quantized} == {4}
     quantized_bytes = (engine_dir / "weights.bin").stat().st_size
     assert quantized_bytes < (tiny_repo / "dflash" / "1" / "engine" / "weights.bin").stat().st_size
@@ -72,7 +85,7 @@ def attribute(node: onnx.NodeProto, name: str) -> int:
     return next(int(a.i) for a in node.attribute if a.name == name)
 
 
-def test_dflash_equals_plain_decoding_bit_for_bit(quantized_repo: tuple[str, Path]) -> None:
+def test_dflash_equals_plain_decoding_bit_for_bit(quantized_repo: tuple[tuple[str, str], Path]) -> None:
     """Verifying whole blocks leaves the same tokens and the same target K/V rows as one-token plain decoding: each
     token's computation does not depend on the others in its call (int8-input kernels would amplify a 1-ulp
     difference into a different rounding, so an engine that is only approximately row-independent fails here)."""
@@ -129,6 +142,11 @@ def test_bad_modes_fail_at_build_time(tiny_targets: dict[str, Path], trained_dra
     assert "--quantize 'int3' is not a mode; choose one of none, int8, int4" in capsys.readouterr().err
     assert dflash_build([*base, "--quantize", "fp8", "--backend", "onnxruntime"]) == 2
     assert "--quantize fp8 builds tensorrt operators, and this build's backend is onnxruntime" in capsys.readouterr().err
+    assert dflash_build([*base, "--quantize-drafter", "int3"]) == 2
+    assert "--quantize-drafter 'int3' is not a mode; choose one of none, int8, int4" in capsys.readouterr().err
+    assert dflash_build([*base, "--quantize-drafter", "int4", "--backend", "torch-cuda"]) == 2
+    expected = "--quantize-drafter int4 builds onnxruntime operators, and this build's backend is torch-cuda"
+    assert expected in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 

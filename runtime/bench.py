@@ -1,12 +1,14 @@
 """dflash-bench: DFlash vs plain decoding on the same built engine, same prompts, same process (alternating).
 
-Reports medians and ratios measured in one run: the step engine's time for a B-token verify block against
-a 1-token plain decode step; plain and DFlash tokens/s and speedup; tau (tokens per step), the draft
-acceptance rate and the per-position acceptance histogram; TTFT and inter-token latency; and whether T=0
-outputs were identical. Prompts go through the target's chat template, formatted as z-lab's benchmark does.
+Reports medians and ratios measured in one run: plain and DFlash tokens/s and speedup; the mean time of a step
+in the loop (at every context length the loop saw) against a plain step, and, at the first prompt's length, a
+whole-block step against a 1-token decode; tau (tokens per step), the draft acceptance rate and the per-position
+acceptance histogram; TTFT and inter-token latency; and whether T=0 outputs were identical. DFlash verifies as
+`dflash-serve` does (`--verify adaptive`: the length chosen from measured costs and acceptance) or the whole block
+every step (`--verify full`). Prompts go through the target's chat template, formatted as z-lab's benchmark does.
 `--against transformers` adds eager transformers `generate()`, `--against zlab` the z-lab `dflash` reference
-(transformers backend) on the same pair and prompts. `--plot` writes a PNG (acceptance histogram, tok/s).
-"""
+(transformers backend) on the same pair and prompts, each in a process of its own with the engine's thread
+count (recorded in the results). `--plot` writes a PNG (acceptance histogram, tok/s)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ from typing import Any
 
 import torch
 from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
+from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from dflash_trt.runtime.repository import engine_bytes, load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, VerifyPolicy
+from transformers import AutoTokenizer
 
 
 def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[float, float]:
@@ -61,38 +66,26 @@ def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[
         engine.pool.release(slot)
 
 
+def engine_threads(manifest: dict[str, Any], threads: int | None) -> int:
+    """The engine's intra-op threads (ONNX Runtime: --threads, else the build's session setting), which every
+    baseline then gets too."""
+    if manifest["backend"] != "onnxruntime":
+        return torch.get_num_threads()
+    return threads or SessionSettings(**manifest["session"]).threads
+
+
 def decode_rate(result: Generation) -> float:
     return (len(result.tokens) - 1) / result.stats.decode_seconds if result.stats.decode_seconds else float("nan")
+
+
+def step_ms(result: Generation) -> float:
+    """Mean milliseconds per step of a whole generation: the steps at the context lengths the loop saw."""
+    return 1e3 * result.stats.decode_seconds / max(result.stats.steps, 1)
 
 
 def inter_token_ms(result: Generation) -> float:
     """Mean time per generated token after the first (DFlash emits tokens in bursts of tau)."""
     return 1e3 / decode_rate(result)
-
-
-def transformers_rate(target_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[list[int]]]:
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    rates, outputs = [], []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        # An explicit all-ones mask: generate() would otherwise infer one from pad_token_id, and chat targets whose
-        # pad token is their end-of-turn token (SmolLM2) would mask every earlier turn's end out of the prompt.
-        # eos_token_id=[]: fixed-length output past end-of-turn, as the engine decodes here (no stop tokens).
-        # pad_token_id: unused for one unpadded row, but generate() derives it from eos_token_id when unset.
-        options: dict[str, Any] = {
-            "attention_mask": torch.ones_like(ids), "do_sample": False, "eos_token_id": [],
-            "pad_token_id": model.generation_config.pad_token_id or 0,
-        }  # fmt: skip
-        with torch.inference_mode():
-            began = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, **options)  # time to first token
-            ttft = time.perf_counter() - began
-            began = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_tokens, **options)
-            total = time.perf_counter() - began
-        rates.append((max_tokens - 1) / max(total - ttft, 1e-9))  # decode rate, prefill excluded as for the engine
-        outputs.append(out[0, len(prompt) :].tolist())
-    return rates, outputs
 
 
 def served_rates(
@@ -125,11 +118,23 @@ class EngineRuns:
     dflash: list[Generation] = field(default_factory=list)
 
 
-def run_engine(engine: GraphEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams) -> EngineRuns:
+def verify_policy(engine: GraphEngine, verify: str) -> VerifyPolicy:
+    """ "adaptive": what `dflash-serve` runs (calibrated once, then learning across the prompts as a server does);
+    "full": the whole block every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
+    if verify == "full":
+        return FixedVerify(engine.block_size - 1)
+    policy = AdaptiveVerify(engine.block_size)
+    policy.calibrate(engine)
+    return policy
+
+
+def run_engine(
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, policy: VerifyPolicy
+) -> EngineRuns:
     runs = EngineRuns()
     for number, prompt in enumerate(prompts, 1):
         runs.plain.append(generate_plain(engine, prompt, max_tokens, sampling))
-        runs.dflash.append(generate(engine, prompt, max_tokens, sampling))
+        runs.dflash.append(generate(engine, prompt, max_tokens, sampling, policy=policy))
         print(f"[dflash-bench] prompt {number}/{len(prompts)}: tau {runs.dflash[-1].stats.tau:.2f}", file=sys.stderr, flush=True)
     return runs
 
@@ -147,37 +152,6 @@ def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, obj
         "accepted_per_position": per_slot,
         "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],
     }
-
-
-@dataclass
-class ReferenceRuns:
-    rates: list[float] = field(default_factory=list)  # decode tok/s per prompt
-    taus: list[float] = field(default_factory=list)
-    ttfts: list[float] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-
-
-def zlab_rates(
-    target_dir: Path, drafter_dir: Path, prompts: list[list[int]], max_tokens: int, temperature: float
-) -> ReferenceRuns:
-    """The z-lab `dflash` reference (dflash_generate, transformers backend, fp32) on the same pair and prompts."""
-    from dflash import model as zlab
-
-    # Its statistics time with torch.cuda.synchronize; on a CPU-only machine time with the same clock, unsynchronised.
-    if not torch.cuda.is_available():
-        zlab._cuda_time = time.perf_counter
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafter = zlab.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
-    runs = ReferenceRuns()
-    for prompt in prompts:
-        with torch.inference_mode():
-            out = zlab.dflash_generate(drafter, target, torch.tensor([prompt]), max_tokens, None, temperature, return_stats=True)
-        produced = out.num_output_tokens
-        runs.rates.append((produced - 1) / (out.time_per_output_token * produced))
-        runs.taus.append(statistics.mean(out.acceptance_lengths))
-        runs.ttfts.append(out.time_to_first_token)
-        runs.outputs.append(out.output_ids[0, len(prompt) :].tolist())
-    return runs
 
 
 def write_plot(results: dict[str, Any], path: Path) -> None:
@@ -217,8 +191,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must then be identical)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0")
     parser.add_argument("--repeats", type=int, default=20, help="timed repetitions of the step/decode micro-benchmark")
-    parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
-    parser.add_argument("--against", choices=("transformers", "zlab"), action="append", default=[])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="ONNX Runtime intra-op threads, and the baselines' torch threads (default: the build's setting)",
+    )
+    parser.add_argument(
+        "--verify",
+        choices=("adaptive", "full"),
+        default="adaptive",
+        help="DFlash's verify length: adaptive = what dflash-serve runs (chosen from measured costs and acceptance); "
+        "full = the whole block every step (z-lab's loop: tau is then the drafter's, comparable with --against zlab)",
+    )
+    parser.add_argument(
+        "--against",
+        choices=BASELINES,
+        action="append",
+        default=[],
+        help="also run this baseline on the same prompts, in a process of its own with the engine's thread count",
+    )
     parser.add_argument("--served", metavar="HOST:PORT", help="also stream the prompts from a dflash-serve gRPC endpoint")
     parser.add_argument(
         "--concurrency",
@@ -252,22 +243,32 @@ def main(argv: list[str] | None = None) -> int:
             settings = {"threads": args.threads, "max_tokens": args.max_tokens, "dataset": args.dataset}
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0
+    threads = engine_threads(manifest, args.threads)
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
-    runs = run_engine(engine, prompts, args.max_tokens, sampling)
+    runs = run_engine(engine, prompts, args.max_tokens, sampling, verify_policy(engine, args.verify))
     plain_rates, dflash_rates = [decode_rate(r) for r in runs.plain], [decode_rate(r) for r in runs.dflash]
     plain_outputs = [r.tokens for r in runs.plain]
+    dflash_step_ms = statistics.median(step_ms(r) for r in runs.dflash)
+    plain_step_ms = statistics.median(step_ms(r) for r in runs.plain)
+    quantization = manifest.get("quantization", {"mode": "none"})
     results: dict[str, Any] = {
         "backend": manifest["backend"],
-        "quantization": manifest.get("quantization", {"mode": "none"})["mode"],
+        "quantization": quantization["mode"],
+        "drafter_quantization": quantization.get("drafter", quantization)["mode"],
         "engine_bytes": engine_bytes(args.repo),
+        "engine_threads": threads,
         "dataset": args.dataset,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "block_size": engine.block_size,
-        "step_ms_median": step_s * 1e3,
-        "decode_ms_median": decode_s * 1e3,
-        "step_over_decode": step_s / decode_s,
+        "verify": args.verify,
+        "full_step_ms_at_first_prompt": step_s * 1e3,
+        "decode_ms_at_first_prompt": decode_s * 1e3,
+        "full_step_over_decode_at_first_prompt": step_s / decode_s,
+        "dflash_step_ms_median": dflash_step_ms,  # in the loop, at every context length it saw
+        "plain_step_ms_median": plain_step_ms,
+        "dflash_step_over_plain_step": dflash_step_ms / plain_step_ms,
         "plain_tok_s_median": statistics.median(plain_rates),
         "dflash_tok_s_median": statistics.median(dflash_rates),
         "dflash_speedup": statistics.median(dflash_rates) / statistics.median(plain_rates),
@@ -281,21 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.served:
         results.update(served_rates(args.served, prompts, args.max_tokens, dflash_rates, plain_outputs))
-    if "transformers" in args.against:
-        rates, outputs = transformers_rate(Path(manifest["target"]["source"]), prompts, args.max_tokens)
-        results["transformers_tok_s_median"] = statistics.median(rates)
-        results["plain_over_transformers"] = statistics.median(plain_rates) / statistics.median(rates)
-        results["transformers_identical"] = outputs == plain_outputs if greedy else "n/a (T>0)"
-    if "zlab" in args.against:
-        zlab = zlab_rates(
-            Path(manifest["target"]["source"]), Path(manifest["drafter"]["source"]), prompts, args.max_tokens, args.temperature
-        )
-        results["zlab_tok_s_median"] = statistics.median(zlab.rates)
-        results["zlab_tau_mean"] = float(statistics.mean(zlab.taus))
-        results["zlab_ttft_ms_median"] = statistics.median(zlab.ttfts) * 1e3
-        results["dflash_over_zlab"] = statistics.median(dflash_rates) / results["zlab_tok_s_median"]
-        results["zlab_identical"] = zlab.outputs == plain_outputs if greedy else "n/a (T>0)"
-    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process: engine, pool, baselines
+    for kind in args.against:
+        print(f"[dflash-bench] {kind} baseline ({threads} torch threads, a process of its own) ...", file=sys.stderr)
+        job = BaselineJob(kind, manifest["target"]["source"], manifest["drafter"]["source"], prompts, args.max_tokens,
+                          args.temperature)  # fmt: skip
+        baseline = run_baseline(job, threads)
+        results[f"{kind}_threads"] = baseline.threads
+        results[f"{kind}_tok_s_median"] = statistics.median(baseline.rates)
+        results[f"{kind}_ttft_ms_median"] = statistics.median(baseline.ttfts) * 1e3
+        if baseline.taus:
+            results[f"{kind}_tau_mean"] = statistics.mean(baseline.taus)
+        results[f"plain_over_{kind}"] = statistics.median(plain_rates) / results[f"{kind}_tok_s_median"]
+        results[f"dflash_over_{kind}"] = statistics.median(dflash_rates) / results[f"{kind}_tok_s_median"]
+        results[f"{kind}_identical"] = baseline.outputs == plain_outputs if greedy else "n/a (T>0)"
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # this process: engine and pool
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

@@ -140,8 +140,21 @@ def check_target_step(sizes: Sizes, device: str, dtype: torch.dtype, context: in
 
     verify_s = median_seconds(lambda: run(sizes.block), sizes.repeats)
     decode_s = median_seconds(lambda: run(1), sizes.repeats)
+    # What the timed calls compute must agree: the block verified at once against the same tokens decoded one by
+    # one, each writing its K/V rows for the next (the logits DFlash accepts drafts by, and plain decoding's).
+    ids = torch.randint(0, sizes.vocab, (1, sizes.block), device=device)
+    positions = torch.arange(context, context + sizes.block, device=device)[None]
+    whole = target(ids, positions, past, logits_to_keep=sizes.block).logits.float()  # [1, S, V]
+    one_by_one = []
+    for i in range(sizes.block):
+        out = target(ids[:, i : i + 1], positions[:, i : i + 1], cache.past(context + i), logits_to_keep=1)
+        cache.write(positions[:, i : i + 1], out.k, out.v)
+        one_by_one.append(out.logits.float())
+    stepwise = torch.cat(one_by_one, dim=1)  # [1, S, V]
     return {"op": "target step", "context": context, "verify_16_ms": verify_s * 1e3, "decode_1_ms": decode_s * 1e3,
-            "verify_over_decode": verify_s / decode_s}  # fmt: skip
+            "verify_over_decode": verify_s / decode_s,
+            "verify_vs_decode_max_abs_logit_diff": (whole - stepwise).abs().max().item(),
+            "verify_vs_decode_argmax_equal": bool(torch.equal(whole.argmax(-1), stepwise.argmax(-1)))}  # fmt: skip
 
 
 def random_pair(sizes: Sizes, vocab: int, dtype: torch.dtype, seed: int) -> tuple[TargetNetwork, DrafterNetwork]:

@@ -4,6 +4,7 @@ transformers on the same pair and prompts; its statistics add up; bad options ge
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,13 @@ def test_bench_agrees_with_zlab_and_transformers(tiny_repo: Path, tmp_path: Path
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     command = ["--repo", str(tiny_repo), "--dataset", str(_prompts_file(tmp_path / "prompts.jsonl")), "--num-prompts", "3",
                "--max-tokens", "40", "--repeats", "2", "--against", "zlab", "--against", "transformers",
-               "--json", str(out), "--plot", str(plot)]  # fmt: skip
+               "--verify", "full", "--json", str(out), "--plot", str(plot)]  # fmt: skip
     assert dflash_bench(command) == 0
     results = json.loads(out.read_text())
     assert results["prompts"] == 3 and results["dataset"].endswith("prompts.jsonl")
+    # each baseline ran in its own process with the engine's threads (the engine's process gives torch one)
+    assert results["engine_threads"] == len(os.sched_getaffinity(0))
+    assert results["transformers_threads"] == results["zlab_threads"] == results["engine_threads"]
     assert results["t0_identical"] is True  # DFlash == plain decoding on the engine
     assert results["transformers_identical"] is True and results["zlab_identical"] is True
     histogram, per_position = results["tokens_per_step_histogram"], results["accepted_per_position"]
@@ -36,6 +40,22 @@ def test_bench_agrees_with_zlab_and_transformers(tiny_repo: Path, tmp_path: Path
     assert abs(results["zlab_tau_mean"] - results["tau_mean"]) < 0.05  # the same drafter accepts the same runs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash_speedup" in capsys.readouterr().out
+
+
+def test_bench_verifies_as_served_by_default(tiny_repo: Path, tmp_path: Path) -> None:
+    """The default DFlash side runs the served policy (verify length chosen by cost and acceptance): still exact;
+    its loop step times are per step of each generation."""
+    out = tmp_path / "bench.json"
+    command = ["--repo", str(tiny_repo), "--dataset", str(_prompts_file(tmp_path / "prompts.jsonl")), "--num-prompts", "3",
+               "--max-tokens", "40", "--repeats", "2", "--json", str(out)]  # fmt: skip
+    assert dflash_bench(command) == 0
+    results = json.loads(out.read_text())
+    assert results["verify"] == "adaptive" and results["t0_identical"] is True
+    steps = sum(results["tokens_per_step_histogram"])
+    assert sum(n * c for n, c in enumerate(results["tokens_per_step_histogram"], 1)) == 3 * 40 - 3
+    assert steps < 3 * 39, "the trained tiny drafter's runs are accepted under the served policy too"
+    ratio = results["dflash_step_ms_median"] / results["plain_step_ms_median"]
+    assert results["dflash_step_over_plain_step"] == pytest.approx(ratio)
 
 
 @pytest.mark.parametrize(

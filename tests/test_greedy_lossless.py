@@ -36,7 +36,9 @@ def test_random_drafter_greedy_equals_transformers(model_type: str, tiny_targets
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         result = generate(engine, prompt, NEW_TOKENS)
         assert result.tokens == expected[0, len(prompt) :].tolist()
-        assert 1.0 <= result.stats.tau <= engine.block_size
+        stats = result.stats  # every token but the prefill one came from a step; tau is tokens per step
+        assert sum(stats.acceptance_lengths) == NEW_TOKENS - 1 and len(stats.acceptance_lengths) == stats.steps
+        assert stats.tau == pytest.approx((NEW_TOKENS - 1) / stats.steps)
 
 
 def test_trained_drafter_greedy_equals_transformers_with_long_accepts(

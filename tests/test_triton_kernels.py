@@ -173,7 +173,8 @@ def test_gpu_check_script_runs_at_smoke_size() -> None:
     assert [r.get("op") for r in rows[1:]] == ops
     for row in rows[1:3]:
         assert row["max_abs_error"] <= TOLERANCE[torch.bfloat16] * 2
-    assert rows[3]["verify_over_decode"] > 0
+    # the 16-token verify and 16 one-token decode steps compute the same logits (float32 on the CPU here)
+    assert rows[3]["verify_vs_decode_max_abs_logit_diff"] < 1e-3 and rows[3]["verify_vs_decode_argmax_equal"] is True
     assert rows[4]["greedy_identical_to_cpu"] is True  # the engine path on its own device (the CPU here)
     assert [r["mode"] for r in rows[5:]] == ["plain", "dflash"] and all(r["tok_s"] > 0 for r in rows[5:])
 

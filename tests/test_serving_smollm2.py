@@ -9,7 +9,7 @@ import pytest
 from dflash_trt.builder.cli import main as dflash_build
 from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import Request, http_generate_stream, stream_text, stream_tokens
-from dflash_trt.runtime.bench import transformers_rate
+from dflash_trt.runtime.baselines import BaselineJob, run_baseline
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.prompts import encode_prompt, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
@@ -61,5 +61,5 @@ def test_transformers_baseline_decodes_as_the_engine_does(smollm2_repo: Path) ->
     assert tokenizer.pad_token_id in prompt
     expected = generate_plain(engine, prompt, 80).tokens
     assert tokenizer.eos_token_id in expected
-    _, outputs = transformers_rate(Path(manifest["target"]["source"]), [prompt], 80)
-    assert outputs == [expected]
+    job = BaselineJob("transformers", manifest["target"]["source"], manifest["drafter"]["source"], [prompt], 80, 0.0)
+    assert run_baseline(job, threads=2).outputs == [expected]

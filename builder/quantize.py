@@ -1,20 +1,20 @@
 """dflash-build --quantize: weight-only quantization of the exported graphs' linear layers, with ONNX Runtime's own
 operator (`com.microsoft.MatMulNBits`) and its own tooling (`MatMulNBitsQuantizer`), applied after export.
 
-Policy (the same for the target's and the drafter's linear layers; the drafter's LM head is the target's):
+Policy (the same for the target's and the drafter's linear layers unless `--quantize-drafter` says otherwise):
 - Linear layers (attention, MLP, the drafter's tap projection `fc`): `bits`-bit weights in blocks of BLOCK_SIZE
   along the input axis, one scale per block (in the engine dtype), symmetric (no zero points), round to nearest.
 - The LM head: 8-bit in every mode (it decides every token; llama.cpp's 4-bit types keep their output layer at 6
   bits or more too).
 - Embeddings stay in the engine's dtype (float32 on the CPU): a lookup reads one row per token, no arithmetic to save.
 - Activations, the hidden-state taps the drafter is conditioned on, the K/V states and every norm stay in it too.
-- `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
-  `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
-  the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
   The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
   float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
   its call; with the target's keys in position order (networks.TargetAttention) DFlash leaves bitwise what plain
   decoding leaves on the same quantized engine.
+- `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
+  `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
+  the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
 """
 
 from __future__ import annotations

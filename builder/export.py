@@ -170,13 +170,13 @@ def export_engines_onnx(
     as `quantization` says and the drafter's as `drafter_quantization` (default: the same); returns the graph
     paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
+    drafter_mode = drafter_quantization or quantization
     models = {}
     for name in GRAPH_NAMES:
         began = time.perf_counter()
         say(f"[dflash-build] exporting the {name} graph to ONNX ...")
         models[name] = export_graph(graphs, spec, name)
         say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
-        drafter_mode = drafter_quantization or quantization
         if quantization.bits or drafter_mode.bits:
             began = time.perf_counter()
             models[name] = quantize_graph(models[name], quantization, drafter_mode)

@@ -28,9 +28,8 @@ from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
-from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
-from dflash_trt.runtime.repository import engine_bytes, load_engine
+from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, VerifyPolicy
 from transformers import AutoTokenizer
@@ -71,7 +70,7 @@ def engine_threads(manifest: dict[str, Any], threads: int | None) -> int:
     baseline then gets too."""
     if manifest["backend"] != "onnxruntime":
         return torch.get_num_threads()
-    return threads or SessionSettings(**manifest["session"]).threads
+    return session_settings(manifest, threads).threads
 
 
 def decode_rate(result: Generation) -> float:

@@ -81,11 +81,14 @@ def load_engine(
     if manifest["backend"] == "tensorrt":
         gpu = torch.device("cuda")
         return GraphEngine(TensorRTRunner(engine_dir, spec, gpu), spec, max_batch, gpu), manifest
-    settings = SessionSettings(**manifest["session"])
-    if threads is not None:
-        settings = SessionSettings(threads, settings.graph_optimization)
-    runner = OnnxRuntimeRunner(engine_dir, spec.states, settings)
+    runner = OnnxRuntimeRunner(engine_dir, spec.states, session_settings(manifest, threads))
     return GraphEngine(runner, spec, max_batch), manifest
+
+
+def session_settings(manifest: dict[str, Any], threads: int | None = None) -> SessionSettings:
+    """The ONNX Runtime session settings of a build, with `threads` intra-op threads instead when given."""
+    settings = SessionSettings(**manifest["session"])
+    return settings if threads is None else SessionSettings(threads, settings.graph_optimization)
 
 
 def load_torch_engine(engine_dir: Path, spec: EngineSpec, max_batch: int | None, device: torch.device) -> GraphEngine:

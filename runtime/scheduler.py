@@ -102,6 +102,10 @@ class AdaptiveVerify:
     batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
     per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch).
 
+    The first `warmup_steps` steps verify the whole block: acceptance is measured before it is weighed (calibration
+    measures costs, not acceptance, and the prior alone caps expected tokens per step at 2, which on a model whose
+    drafter costs as much as its target would choose plain decoding for good and never see a draft accepted).
+
     Acceptance at position j is only observed when j drafts are verified, and a step's cost only when such a
     step runs. To keep both current, the policy now and then looks `explore_extra` drafts beyond the chosen k
     (two steps: one that drafts them, one that verifies them) or, every other time, below it, but only once
@@ -115,12 +119,14 @@ class AdaptiveVerify:
     explore_budget: float = 100.0
     decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
     evidence_floor: float = 8.0  # observations per position that decay leaves (see _learn_acceptance)
+    warmup_steps: int = 8  # steps verifying the whole block before the policy chooses
     graph_when_idle: str = "verify"
     reached: np.ndarray = field(init=False)  # [B]: steps that verified draft j with drafts 1..j-1 accepted (0 unused)
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
     looks: int = 0  # explorations so far (odd ones look below the chosen k)
+    drafted_steps: int = 0  # steps that verified at least one draft
     shapes_run: set[tuple[str, int, int, int]] = field(default_factory=set)  # (graph, batch, width, drafted) seen
 
     def __post_init__(self) -> None:
@@ -161,8 +167,8 @@ class AdaptiveVerify:
 
     def choose(self, batch: int) -> int:
         rates = self.expected_rates(batch)
-        if any(np.isnan(r) for r in rates):
-            return self.block_size - 1  # nothing measured yet: verify everything and measure
+        if self.drafted_steps < self.warmup_steps or any(np.isnan(r) for r in rates):
+            return self.block_size - 1  # acceptance or a cost not measured yet: verify everything and measure
         best = int(np.argmax(rates))
         below = self.looks % 2 == 1 and best > 0
         look = max(best - self.explore_extra, 0) if below else min(best + self.explore_extra, self.block_size - 1)
@@ -201,6 +207,7 @@ class AdaptiveVerify:
         fading = np.maximum(self.decay, np.minimum(self.evidence_floor / self.reached, 1.0))  # [B]
         self.reached *= fading
         self.accepted *= fading
+        self.drafted_steps += width > 1
         for accept_len in accept_lens:
             self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
             self.accepted[1 : accept_len + 1] += 1

@@ -87,8 +87,11 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     for tokens in (1, 2, 4, 8, 16, 64):
         policy.costs.record("verify", tokens, 0.01 + 0.0005 * tokens)  # a verify of 16 costs under twice one of 1
     policy.costs.record("draft15", 1, 1.0)
+    for step in range(policy.warmup_steps):  # acceptance is measured before it is weighed
+        assert policy.choose(1) == engine.block_size - 1, f"warm-up step {step}"
+        policy.observe("step", 1, engine.block_size, 1.018, [0], drafted=engine.block_size - 1)  # drafting: 1 s
     assert policy.choose(1) == 0
-    policy.costs.seconds["draft15"] = {1: 0.001}
+    policy.costs.seconds["draft15"], policy.costs.seconds["run15"] = {1: 0.001}, {1: 0.019}  # drafting made cheap
     policy.accepted[1:] = policy.reached[1:]  # every draft accepted so far: verifying all pays
     assert policy.choose(1) == engine.block_size - 1
     policy.accepted[3:] = 0.0  # nothing past the second draft is ever accepted: verify two

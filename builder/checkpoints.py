@@ -365,9 +365,10 @@ def skipped_weights(checkpoint_dir: Path) -> list[str]:
     return sorted(f"{prefix}*" for prefix in found)
 
 
-def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+def load_safetensors_dir(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The tensors the networks are built from, of every *.safetensors file in the directory, under their network
-    names; the weights that are not built (SKIPPED_WEIGHTS) are never read."""
+    names, each cast to `dtype` as it is read (one tensor at a time: never the checkpoint twice in memory); the
+    weights that are not built (SKIPPED_WEIGHTS) are never read."""
     files = sorted(checkpoint_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(
@@ -378,5 +379,6 @@ def load_safetensors_dir(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), "pt") as handle:
             for name in handle.keys():
                 if not _network_name(name).startswith(SKIPPED_WEIGHTS):
-                    state[_network_name(name)] = handle.get_tensor(name)
+                    tensor = handle.get_tensor(name)
+                    state[_network_name(name)] = tensor if dtype is None else tensor.to(dtype)
     return state

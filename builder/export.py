@@ -1,7 +1,8 @@
 """ONNX export of the fused graphs, with the dflash:: ops as custom-domain nodes carrying model-local functions.
 
-The three graphs share every weight: tensors are stored once, content-addressed, in `weights.bin` beside the
-graphs, and each graph's initializers point into it (ONNX external data).
+The graphs share every weight: tensors are stored once, content-addressed, in `weights.bin` beside the graphs, and
+each graph's initializers point into it (ONNX external data). Each graph's weights are written as soon as it is
+traced, straight from the network's tensors: the build holds the network's weights once, not a copy per graph.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
+import onnx_ir as ir
 import torch
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.builder.quantize import MODES, QuantizationMode, quantize_graph
@@ -70,8 +73,12 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
     return tuple(inputs), tuple(axes)
 
 
-def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.ModelProto:
-    """Trace one fused graph to ONNX (opset 20 + the dflash domain) and attach the dflash function bodies."""
+ONNX_FUNCTIONS = [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS]
+
+
+def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
+    """Trace one fused graph to ONNX (opset 20 + the dflash domain). The returned model's initializers are the
+    network's own tensors (no copy until they are written out)."""
     inputs, axes = example_inputs(spec, name)
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
@@ -92,35 +99,37 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> onnx.Mode
     finally:
         exporter_log.setLevel(level)
     assert program is not None
-    model = fold_weight_transposes(program.model_proto)
-    return attach_functions(
-        model, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS, gated_delta_rule.onnx_function()]
-    )
+    fold_weight_transposes(program.model)
+    return program.model
 
 
-def fold_weight_transposes(model: onnx.ModelProto) -> onnx.ModelProto:
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """The model as a ModelProto with the dflash function bodies attached (initializers as the model holds them:
+    in memory, or references into WEIGHTS_FILE once `SharedWeights.externalize` ran)."""
+    functions = [*ONNX_FUNCTIONS, gated_delta_rule.onnx_function()]
+    return attach_functions(ir.serde.serialize_model(model), functions)
+
+
+def fold_weight_transposes(model: ir.Model) -> None:
     """Replace Transpose(initializer) by a transposed initializer, in place.
 
     The exporter's optimizer leaves large ones (the lm_head / tied embedding) to run at every call, which
     costs more memory traffic than the matmul itself on a CPU.
     """
-    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
-    kept = []
-    for node in model.graph.node:
-        source = initializers.get(node.input[0]) if node.op_type == "Transpose" else None
-        if source is None:
-            kept.append(node)
+    graph = model.graph
+    for node in list(graph):
+        source = node.inputs[0] if node.op_type == "Transpose" else None
+        if source is None or source.const_value is None or not source.is_initializer():
             continue
-        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        folded = onnx.numpy_helper.to_array(source).transpose(perm)
-        model.graph.initializer.append(onnx.numpy_helper.from_array(folded.copy(), name=node.output[0]))
-    del model.graph.node[:]
-    model.graph.node.extend(kept)
-    used = {name for node in all_nodes(model.graph) for name in node.input} | {o.name for o in model.graph.output}
-    unused = [tensor for tensor in model.graph.initializer if tensor.name not in used]
-    for tensor in unused:
-        model.graph.initializer.remove(tensor)
-    return model
+        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+        output = node.outputs[0]
+        folded = ir.Value(name=f"{output.name}_folded", type=output.type, shape=output.shape)
+        folded.const_value = ir.tensor(source.const_value.numpy().transpose(perm).copy(), name=folded.name)
+        ir.convenience.replace_all_uses_with(output, folded)
+        graph.remove(node, safe=True)
+        graph.register_initializer(folded)
+        if not source.uses() and not source.is_graph_output():
+            del graph.initializers[source.name]  # type: ignore[arg-type]
 
 
 def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
@@ -129,33 +138,38 @@ def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return [*graph.node, *(node for branch in branches for node in all_nodes(branch))]
 
 
-def save_with_shared_weights(models: dict[str, onnx.ModelProto], directory: Path) -> None:
-    """Write `{name}.onnx` for each model and one content-addressed WEIGHTS_FILE holding every large tensor once."""
-    offsets: dict[str, tuple[int, int]] = {}
-    with open(directory / WEIGHTS_FILE, "wb") as blob:
-        for model in models.values():
-            for tensor in model.graph.initializer:
-                data = onnx.numpy_helper.to_array(tensor).tobytes()
-                if len(data) < INLINE_BYTES:
-                    continue
-                digest = hashlib.sha256(data).hexdigest()
-                if digest not in offsets:
-                    blob.seek(-blob.tell() % ALIGNMENT, 1)
-                    offsets[digest] = (blob.tell(), len(data))
-                    blob.write(data)
-                _point_to(tensor, *offsets[digest])
-    for name, model in models.items():
-        onnx.save(model, directory / f"{name}.onnx")
+class SharedWeights:
+    """WEIGHTS_FILE, written while the graphs are exported: every large tensor once (content-addressed, aligned),
+    one tensor in memory at a time."""
 
+    def __init__(self, blob: BinaryIO, directory: Path) -> None:
+        self.blob, self.directory = blob, directory
+        self.offsets: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
 
-def _point_to(tensor: onnx.TensorProto, offset: int, length: int) -> None:
-    """Replace a tensor's inline data by a reference to WEIGHTS_FILE[offset:offset+length]."""
-    for field in ("raw_data", "float_data", "int64_data", "int32_data", "double_data"):
-        tensor.ClearField(field)  # type: ignore[arg-type]
-    del tensor.external_data[:]
-    for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
-        tensor.external_data.add(key=key, value=value)
-    tensor.data_location = onnx.TensorProto.EXTERNAL
+    def place(self, data: bytes) -> tuple[int, int]:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest not in self.offsets:
+            self.blob.seek(-self.blob.tell() % ALIGNMENT, 1)
+            self.offsets[digest] = (self.blob.tell(), len(data))
+            self.blob.write(data)
+        return self.offsets[digest]
+
+    def externalize(self, model: ir.Model) -> None:
+        """Write each initializer of INLINE_BYTES or more to the file; the model keeps a reference in its place."""
+        for name, value in model.graph.initializers.items():
+            tensor = value.const_value
+            if tensor is None or tensor.nbytes < INLINE_BYTES:
+                continue
+            offset, length = self.place(tensor.tobytes())
+            value.const_value = ir.ExternalTensor(
+                WEIGHTS_FILE,
+                offset,
+                length,
+                tensor.dtype,
+                shape=ir.Shape(tensor.shape.numpy()),
+                name=name,
+                base_dir=self.directory,
+            )
 
 
 def export_engines_onnx(
@@ -171,16 +185,20 @@ def export_engines_onnx(
     paths."""
     say = log or (lambda message: print(message, file=sys.stderr))
     drafter_mode = drafter_quantization or quantization
-    models = {}
-    for name in GRAPH_NAMES:
-        began = time.perf_counter()
-        say(f"[dflash-build] exporting the {name} graph to ONNX ...")
-        models[name] = export_graph(graphs, spec, name)
-        say(f"[dflash-build]   {name}: {len(models[name].graph.node)} nodes in {time.perf_counter() - began:.1f} s")
-        if quantization.bits or drafter_mode.bits:
+    paths = []
+    with open(directory / WEIGHTS_FILE, "wb") as blob:
+        weights = SharedWeights(blob, directory)
+        for name in GRAPH_NAMES:
             began = time.perf_counter()
-            models[name] = quantize_graph(models[name], quantization, drafter_mode)
-            modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
-            say(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {time.perf_counter() - began:.1f} s")
-    save_with_shared_weights(models, directory)
-    return [directory / f"{name}.onnx" for name in models]
+            say(f"[dflash-build] exporting the {name} graph to ONNX ...")
+            model = export_graph(graphs, spec, name)
+            say(f"[dflash-build]   {name}: {len(model.graph)} nodes in {time.perf_counter() - began:.1f} s")
+            if quantization.bits or drafter_mode.bits:
+                began = time.perf_counter()
+                model = ir.serde.deserialize_model(quantize_graph(to_proto(model), quantization, drafter_mode))
+                modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
+                say(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {time.perf_counter() - began:.1f} s")
+            weights.externalize(model)
+            paths.append(directory / f"{name}.onnx")
+            onnx.save(to_proto(model), paths[-1])
+    return paths

@@ -67,7 +67,7 @@ def rope_inverse_frequencies(rope_parameters: dict[str, Any], head_dim: int, max
     """(inv_freq [D/2], attention_scaling) for a static RoPE type, computed by transformers' own init functions."""
     rope_type = rope_parameters["rope_type"]
     if rope_type == "default":
-        dims = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dims = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim  # real under meta too
         return 1.0 / (float(rope_parameters["rope_theta"]) ** dims), 1.0
     config = PretrainedConfig()
     config.rope_parameters = dict(rope_parameters)

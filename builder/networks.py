@@ -243,11 +243,15 @@ class TargetNetwork(nn.Module):
         )
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         rotary_dim = int(config.head_dim * config.partial_rotary_factor)
         inv_freq, self.rope_scaling = rope_inverse_frequencies(config.rope_parameters, rotary_dim, config.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def tie_weights(self) -> None:
+        """The LM head reads the embedding's matrix when the checkpoint ties them (again after loading assigns it)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def allocate_cache(self, batch: int, slots: int) -> KVCache:
         c = self.config
@@ -429,29 +433,35 @@ def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, config: Dra
 
 
 def _load_state(module: nn.Module, state: dict[str, torch.Tensor], where: str, ignore: tuple[str, ...] = ()) -> None:
+    """Give a network built on the meta device the checkpoint's tensors themselves (`assign`: no copy, and no
+    randomly initialised parameters beside them); every parameter must come from the checkpoint."""
     expected = {name for name in module.state_dict() if not name.startswith(ignore)}
     missing = sorted(expected - set(state))
     if missing:
         raise CheckpointError(f"{where}: weights missing from the safetensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    module.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
 
 
 def load_target(checkpoint_dir: Path, tap_layer_ids: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> TargetNetwork:
-    """Load an HF llama/qwen2/qwen3 checkpoint directory as a TargetNetwork (eval mode)."""
+    """Load an HF llama/qwen2/qwen3/qwen3_5 checkpoint directory as a TargetNetwork (eval mode), holding one copy of
+    its weights in `dtype` (default: the checkpoint's)."""
     config = parse_target_config(read_config_json(checkpoint_dir), where=str(checkpoint_dir))
-    network = TargetNetwork(config, tap_layer_ids)
-    state = load_safetensors_dir(checkpoint_dir)
+    with torch.device("meta"):
+        network = TargetNetwork(config, tap_layer_ids)
+    state = load_safetensors_dir(checkpoint_dir, dtype or config.dtype)
     ignore = ("lm_head",) if config.tie_word_embeddings else ()
     _load_state(network, state, str(checkpoint_dir), ignore)
-    return network.to(dtype or config.dtype).eval()
+    network.tie_weights()
+    return network.to(dtype or config.dtype).eval()  # the RoPE buffers; the weights are in dtype already
 
 
 def load_drafter(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> DrafterNetwork:
     """Load a z-lab DFlash drafter directory (either config schema) as a DrafterNetwork (eval mode)."""
     raw = read_config_json(checkpoint_dir)
     config = parse_drafter_config(raw, where=str(checkpoint_dir))
-    network = DrafterNetwork(config)
-    _load_state(network, load_safetensors_dir(checkpoint_dir), str(checkpoint_dir))
+    with torch.device("meta"):
+        network = DrafterNetwork(config)
+    _load_state(network, load_safetensors_dir(checkpoint_dir, dtype or checkpoint_dtype(raw)), str(checkpoint_dir))
     return network.to(dtype or checkpoint_dtype(raw)).eval()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -101,9 +102,20 @@ def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_buil
         assert {n.domain for n in nodes} <= {"", DOMAIN}
         assert [i.name for i in model.graph.input] == [t.name for t in graph_inputs(name, spec.states)]
         assert [o.name for o in model.graph.output] == [t.name for t in graph_outputs(name, spec.states)]
-    # Every large weight is stored once, in the shared file.
+    # Every large weight is stored once, in the shared file; no Transpose of a weight is left to run at every call.
     sizes = {p.name: p.stat().st_size for p in engine_dir.iterdir()}
     assert sizes["weights.bin"] > max(sizes[f"{n}.onnx"] for n in GRAPH_NAMES)
+    blob, stored = (engine_dir / "weights.bin").read_bytes(), set()
+    for name in GRAPH_NAMES:
+        graph = onnx.load(str(engine_dir / f"{name}.onnx"), load_external_data=False).graph
+        weights = {t.name for t in graph.initializer}
+        assert not [n.name for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights], name
+        for tensor in graph.initializer:
+            where = {e.key: e.value for e in tensor.external_data}
+            if where:
+                stored.add((int(where["offset"]), int(where["length"])))
+    digests = [hashlib.sha256(blob[offset : offset + length]).hexdigest() for offset, length in stored]
+    assert len(set(digests)) == len(digests) > 10, "a tensor is stored twice in weights.bin"
 
 
 def test_onnxruntime_engine_equals_transformers_greedy(interrupted_then_built, tiny_targets: dict[str, Path]) -> None:

@@ -160,12 +160,6 @@ def build(args: argparse.Namespace) -> Path | None:
     backend = choose_backend(args.backend)
     quantization = check_mode(args.quantize, backend)
     drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
-    if target_config.linear is not None and backend == "tensorrt":
-        raise CheckpointError(
-            f"{args.model}: {target_config.model_type} targets (Gated DeltaNet layers) build for ONNX Runtime "
-            "(--backend onnxruntime); their TensorRT build (optimization profiles for the recurrent states; the "
-            "dflash::GatedDeltaRule plugin is registered but untested without TensorRT) is not wired yet"
-        )
     if backend == "tensorrt":
         require_tensorrt()
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)

@@ -17,7 +17,7 @@ import onnx
 from dflash_trt.plugins.onnx_domain import DOMAIN, DOMAIN_VERSION
 from dflash_trt.plugins.tensorrt_plugins import register_tensorrt_plugins
 from dflash_trt.runtime.engine import EngineSpec
-from dflash_trt.runtime.graph_io import graph_inputs
+from dflash_trt.runtime.graph_io import POOL_AXIS, graph_inputs
 
 try:
     import tensorrt as trt
@@ -75,6 +75,7 @@ def axis_bounds(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
         "rows": (1, min(512, spec.positions), spec.positions),
         "candidates": (1, 1, min(spec.vocab_size, TOPK_LIMIT)),
         "pool_rows": (spec.max_batch_size * spec.positions,) * 3,  # x layers below: the pool, allocated once
+        "pool_slots": (spec.max_batch_size,) * 3,  # a recurrent state's pool: x layers below
     }
 
 
@@ -89,8 +90,9 @@ def input_dims(name: str, spec: EngineSpec) -> dict[str, list[tuple[int, int, in
 
 
 def _axis_dims(axis: str, bounds: dict[str, tuple[int, int, int]], layers: int) -> tuple[int, int, int]:
-    if axis.endswith("pool_rows"):  # a flat state pool: layers x slots x positions rows
-        low, opt, high = bounds["pool_rows"]
+    pool = next((kind for kind in POOL_AXIS.values() if axis.endswith(kind)), None)
+    if pool is not None:  # a flat state pool: layers x slots (x positions) rows
+        low, opt, high = bounds[pool]
         return layers * low, layers * opt, layers * high
     return bounds[axis] if axis in bounds else (int(axis),) * 3
 

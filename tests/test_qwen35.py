@@ -10,14 +10,18 @@ import sys
 import time
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config, read_config_json
+from dflash_trt.builder.export import all_nodes
 from dflash_trt.builder.gated_deltanet import GDNTape, commit_state, commit_window
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.networks import KVCache, load_pair, load_target
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
+from dflash_trt.plugins.onnx_domain import DOMAIN
 from dflash_trt.runtime.engine import GraphEngine, TorchRunner
+from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
@@ -275,17 +279,6 @@ def test_alias_offline_without_checkpoints_is_refused_at_once(tmp_path: Path, mo
     assert not output.exists() and time.perf_counter() - began < 60
 
 
-def test_tensorrt_build_of_a_hybrid_target_is_refused_before_loading_weights(
-    qwen35_dir: Path, random_drafter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from dflash_trt.builder.cli import main as dflash_build
-
-    output = tmp_path / "repo"
-    command = ["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--output", str(output), "--backend", "tensorrt"]
-    assert dflash_build(command) == 2
-    assert "their TensorRT build (optimization profiles" in capsys.readouterr().err and not output.exists()
-
-
 @pytest.fixture(scope="module")
 def qwen35_repo(qwen35_dir: Path, random_drafter: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """dflash-build (ONNX Runtime) of the tiny qwen3_5 pair, raw prompts (the tiny tokenizer has no chat template)."""
@@ -295,6 +288,35 @@ def qwen35_repo(qwen35_dir: Path, random_drafter: Path, tmp_path_factory: pytest
     command = ["--model", str(qwen35_dir), "--drafter", str(random_drafter), "--output", str(output)]
     assert dflash_build([*command, "--max-seq-len", "128", "--max-batch-size", "4"]) == 0
     return output
+
+
+def test_hybrid_graphs_are_ready_for_tensorrt(qwen35_repo: Path, tmp_path: Path) -> None:
+    """What a TensorRT build of a hybrid pair needs and can be checked without TensorRT: with the dflash function
+    bodies stripped (the Scan of GatedDeltaRule with them), every operator is one TensorRT's ONNX parser has, the
+    dflash nodes are the three plugins, and the optimization profile bounds every input, the recurrent state pools
+    at layers x slots."""
+    from dflash_trt.builder.tensorrt_engine import input_dims, plugin_ready_onnx
+    from dflash_trt.runtime.repository import load_engine
+
+    from tests.test_build import TENSORRT_OPS
+
+    spec = load_engine(qwen35_repo)[0].spec
+    engine_dir = qwen35_repo / "dflash" / "1" / "engine"
+    for name in GRAPH_NAMES:
+        stripped = tmp_path / f"{name}.plugins.onnx"
+        plugin_ready_onnx(engine_dir / f"{name}.onnx", stripped)
+        model = onnx.load(str(stripped), load_external_data=False)
+        nodes = all_nodes(model.graph)
+        standard = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
+        assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"
+        assert {n.op_type for n in nodes if n.domain == DOMAIN} <= {"HiddenStateTap", "BlockDenoise", "GatedDeltaRule"}
+        assert not [f.name for f in model.functions if f.domain == DOMAIN], "the plugins' bodies are stripped"
+        dims = input_dims(name, spec)
+        assert [i.name for i in model.graph.input] == list(dims)
+        for state in spec.states:
+            if state.name in dims and state.kind == "recurrent":
+                assert dims[state.name][0] == (state.layers * spec.max_batch_size,) * 3, state.name
+                assert [d[0] for d in dims[state.name][1:]] == list(state.shape)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import onnx_ir as ir
 import torch
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.builder.quantize import MODES, QuantizationMode, quantize_graph
-from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
+from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import ONNX_OPSET, attach_functions
 from dflash_trt.runtime.engine import EngineSpec
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, POOL_AXIS, graph_inputs, graph_outputs, owner, pool_view_shape
@@ -73,7 +73,7 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
     return tuple(inputs), tuple(axes)
 
 
-ONNX_FUNCTIONS = [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS]
+ONNX_FUNCTIONS = [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS, *causal_conv1d.ONNX_FUNCTIONS]
 
 
 def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:

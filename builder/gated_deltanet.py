@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from dflash_trt.builder.checkpoints import LinearAttentionConfig
 from dflash_trt.builder.layers import rms_norm
+from dflash_trt.plugins.causal_conv1d import causal_conv1d
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from torch import nn
 
@@ -97,9 +98,7 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # [B, S, C]
         if window is None:  # zeros shaped after the input, not from symbolic sizes (an exported Scan needs that)
             window = torch.zeros_like(mixed[:, :1]).expand(-1, c.conv_kernel - 1, -1)
-        extended = torch.cat([window.to(mixed.dtype), mixed], dim=1)  # [B, K-1+S, C]
-        conv = F.conv1d(extended.transpose(1, 2), self.conv1d.weight, groups=c.conv_dim)  # [B, C, S]
-        mixed = F.silu(conv).transpose(1, 2)  # [B, S, C]
+        mixed, extended = causal_conv1d(mixed, window.to(mixed.dtype), self.conv1d.weight)  # [B, S, C], [B, K-1+S, C]
         q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
         repeat = c.num_value_heads // c.num_key_heads  # value head j reads key head j // repeat
         q = l2norm(q.unflatten(-1, (c.num_key_heads, c.key_head_dim)).float()).repeat_interleave(repeat, dim=2)

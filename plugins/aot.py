@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
+from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, KernelSpec, compile_for_gpu
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,10 +37,17 @@ class DrafterShape:
     window: int = 0  # 0: full attention
     eps: float = 1e-6
     rope_scaling: float = 1.0
-    # a hybrid target's Gated DeltaNet layers (defaults: Qwen3.5-27B), for dflash::GatedDeltaRule
+    # a hybrid target's Gated DeltaNet layers (defaults: Qwen3.5-27B), for dflash::GatedDeltaRule and CausalConv1d
     linear_heads: int = 48
+    linear_key_heads: int = 16
     linear_key_dim: int = 128
     linear_value_dim: int = 128
+    conv_kernel: int = 4
+
+    @property
+    def conv_channels(self) -> int:
+        """2 Hk dk + Hv dv: the convolved q, k and v of a Gated DeltaNet layer (10,240 at 27B)."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_heads * self.linear_value_dim
 
 
 def kernel_specs(shape: DrafterShape, dtype: torch.dtype) -> list[KernelSpec]:
@@ -51,6 +58,7 @@ def kernel_specs(shape: DrafterShape, dtype: torch.dtype) -> list[KernelSpec]:
             1 / math.sqrt(shape.head_dim), dtype,
         ),
         gated_delta_rule.aot_spec(shape.linear_heads, shape.linear_key_dim, shape.linear_value_dim, dtype),
+        causal_conv1d.aot_spec(shape.conv_channels, shape.conv_kernel, dtype),
     ]  # fmt: skip
 
 

@@ -9,7 +9,7 @@ No `from __future__ import annotations` here: tensorrt.plugin reads the annotati
 """
 
 import torch
-from dflash_trt.plugins import block_denoise, gated_delta_rule, hidden_state_tap
+from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
 from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, compile_for_gpu
 
 _registered = False
@@ -27,8 +27,8 @@ def build_arch() -> int:
 
 
 def register_tensorrt_plugins() -> None:
-    """Register dflash::HiddenStateTap, dflash::BlockDenoise and dflash::GatedDeltaRule in TensorRT's plugin
-    registry (once)."""
+    """Register dflash::HiddenStateTap, dflash::BlockDenoise, dflash::GatedDeltaRule and dflash::CausalConv1d in
+    TensorRT's plugin registry (once)."""
     global _registered
     if _registered:
         return
@@ -148,4 +148,33 @@ def register_tensorrt_plugins() -> None:
         launch.shared_mem = compiled.shared_bytes
         scalars = trtp.SymIntExprs(1)
         scalars[0] = trtp.SymInt32(q.shape_expr[1])  # S
+        return compiled.name, compiled.ptx, launch, scalars
+
+    @trtp.register("dflash::CausalConv1d")
+    def conv_shapes(
+        x: trtp.TensorDesc, window: trtp.TensorDesc, weight: trtp.TensorDesc, channels: int
+    ) -> tuple[trtp.TensorDesc, trtp.TensorDesc]:
+        extended = (x.shape_expr[0], window.shape_expr[1] + x.shape_expr[1], x.shape_expr[2])  # [B, K-1+S, C]
+        return trtp.from_shape_expr(x.shape_expr, x.dtype), trtp.from_shape_expr(extended, x.dtype)
+
+    @trtp.autotune("dflash::CausalConv1d")
+    def conv_combinations(
+        x: trtp.TensorDesc, window: trtp.TensorDesc, weight: trtp.TensorDesc, outputs: tuple[trtp.TensorDesc, ...]
+    ) -> list[trtp.AutoTuneCombination]:
+        return [trtp.AutoTuneCombination(",".join([FLOAT_IO] * 5), "LINEAR")]
+
+    @trtp.aot_impl("dflash::CausalConv1d")
+    def conv_kernel(
+        x: trtp.TensorDesc, window: trtp.TensorDesc, weight: trtp.TensorDesc, channels: int,
+        outputs: tuple[trtp.TensorDesc, ...], tactic: int,
+    ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
+        spec = causal_conv1d.aot_spec(channels, weight.shape_expr[2].constant_value(), dtypes[x.dtype])
+        compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = x.shape_expr[0]
+        launch.grid_y = -(-channels // spec.constexprs["BLOCK_C"])
+        launch.block_x = compiled.num_warps * 32
+        launch.shared_mem = compiled.shared_bytes
+        scalars = trtp.SymIntExprs(1)
+        scalars[0] = trtp.SymInt32(x.shape_expr[1])  # S
         return compiled.name, compiled.ptx, launch, scalars

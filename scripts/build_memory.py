@@ -1,13 +1,14 @@
 """Peak resident memory of `dflash-build`, against the bytes of the checkpoint it builds from.
 
 Writes (once, into --workdir) a random `qwen3_5` checkpoint as published (the vision-language wrapper, a tiny vision
-tower, bf16 text weights under model.language_model.*; 28 layers, hidden 1024, about 0.63 B parameters) with the
-demo target's tokenizer, then runs `dflash-build` on it, or on the demo target (`--model smollm2-135m`), in a
-child process and reads the child's peak RSS (getrusage). One JSON line per build:
+tower, bf16 text weights under model.language_model.*; 28 layers; hidden 1024: about 0.63 B parameters, hidden
+2048: about 1.9 B) with the demo target's tokenizer, then runs `dflash-build` on it, or on the demo target
+(`--model smollm2-135m`), in a child process and reads the child's peak RSS (getrusage). One JSON line per build:
 
     python scripts/build_memory.py --workdir /tmp/build-memory                     # the 0.63 B qwen3_5, bf16 engine
-    python scripts/build_memory.py --workdir /tmp/build-memory --dtype float32     # the same, an fp32 CPU engine
-    python scripts/build_memory.py --workdir /tmp/build-memory --model smollm2-135m
+    python scripts/build_memory.py --workdir /tmp/build-memory --hidden-size 2048  # 1.9 B
+    python scripts/build_memory.py --workdir /tmp/build-memory --dtype float32     # an fp32 CPU engine
+    python scripts/build_memory.py --workdir /tmp/build-memory --model smollm2-135m --dtype float32
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 TEXT_CONFIG = dict(
     vocab_size=49152,  # the demo tokenizer's
-    hidden_size=1024,
-    intermediate_size=3584,
     num_hidden_layers=28,
     num_attention_heads=8,
     num_key_value_heads=2,
@@ -46,15 +45,17 @@ TEXT_CONFIG = dict(
     eos_token_id=2,
     pad_token_id=2,
 )  # fmt: skip
-TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=1, out_hidden_size=1024, num_position_embeddings=16)
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=1, num_position_embeddings=16)
 
 
-def write_qwen35_checkpoint(directory: Path) -> Path:
+def write_qwen35_checkpoint(directory: Path, hidden_size: int) -> Path:
     """The random bf16 checkpoint (skipped when it exists) with the demo target's tokenizer files."""
     if (directory / "config.json").is_file():
         return directory
     torch.manual_seed(0)
-    config = Qwen3_5Config(text_config=TEXT_CONFIG, vision_config=TINY_VISION, tie_word_embeddings=True)
+    text = {**TEXT_CONFIG, "hidden_size": hidden_size, "intermediate_size": hidden_size * 7 // 2}
+    vision = {**TINY_VISION, "out_hidden_size": hidden_size}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
     model.save_pretrained(directory)
     demo = resolve_checkpoint("smollm2-135m")
@@ -88,11 +89,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--model", default="qwen3_5-random", help="qwen3_5-random (written here) or smollm2-135m")
+    parser.add_argument("--hidden-size", type=int, default=1024, help="of the random qwen3_5 checkpoint")
     parser.add_argument("--dtype", default="bfloat16", help="dflash-build --dtype")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     if args.model == "qwen3_5-random":
-        source = write_qwen35_checkpoint(args.workdir / "qwen3_5-random")
+        source = write_qwen35_checkpoint(args.workdir / f"qwen3_5-random-{args.hidden_size}", args.hidden_size)
         model = str(source)
     else:
         source, model = resolve_checkpoint(args.model), args.model

@@ -12,7 +12,7 @@ import pytest
 import torch
 from dflash_trt.builder.layers import rotary_cos_sin
 from dflash_trt.builder.networks import DrafterNetwork, StackedPast, load_drafter, load_target
-from dflash_trt.plugins import block_denoise, hidden_state_tap
+from dflash_trt.plugins import block_denoise, causal_conv1d, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import DOMAIN, ONNX_OPSET, attach_functions
 from torch import nn
 
@@ -136,3 +136,37 @@ def test_target_logits_and_taps_in_onnxruntime_match_torch(tiny_targets: dict[st
         expected = TargetLogitsAndTaps(target)(*inputs)
     for got, want in zip(actual, expected, strict=True):
         assert np.abs(got - want.numpy()).max() <= 1e-4
+
+
+class ConvOverBlock(nn.Module):
+    """dflash::CausalConv1d alone: the Gated DeltaNet conv of a block after a window."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, kernel) * 0.5)
+
+    def forward(self, x: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_conv1d.causal_conv1d(x, window, self.weight)
+
+
+def test_causal_conv1d_runs_in_onnxruntime_and_matches_reference(tmp_path: Path) -> None:
+    """Its ONNX body (Concat, Conv with group = channels, x * Sigmoid(x)) in ONNX Runtime at token counts other than
+    the traced one: outputs within fp32 rounding of the reference, the extended window exact."""
+    torch.manual_seed(3)
+    module = ConvOverBlock(channels=24, kernel=4).eval()
+    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens")
+    program = torch.onnx.export(
+        module, (torch.randn(2, 5, 24), torch.randn(2, 3, 24)), dynamo=True, opset_version=ONNX_OPSET,
+        dynamic_shapes=({0: batch, 1: tokens}, {0: batch}),
+    )  # fmt: skip
+    model = attach_functions(program.model_proto, causal_conv1d.ONNX_FUNCTIONS)
+    assert [n.op_type for n in model.graph.node if n.domain == DOMAIN] == ["CausalConv1d"]
+    onnx.save(model, tmp_path / "conv.onnx")
+    session = ort.InferenceSession(str(tmp_path / "conv.onnx"), providers=["CPUExecutionProvider"])
+    for rows, count in [(1, 1), (3, 16), (2, 23)]:
+        x, window = torch.randn(rows, count, 24), torch.randn(rows, 3, 24)
+        y, extended = session.run(None, {session.get_inputs()[0].name: x.numpy(), session.get_inputs()[1].name: window.numpy()})
+        with torch.no_grad():
+            ref_y, ref_extended = module(x, window)
+        assert np.abs(y - ref_y.numpy()).max() <= TOLERANCE
+        assert np.array_equal(extended, ref_extended.numpy())

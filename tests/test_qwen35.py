@@ -292,9 +292,9 @@ def qwen35_repo(qwen35_dir: Path, random_drafter: Path, tmp_path_factory: pytest
 
 def test_hybrid_graphs_are_ready_for_tensorrt(qwen35_repo: Path, tmp_path: Path) -> None:
     """What a TensorRT build of a hybrid pair needs and can be checked without TensorRT: with the dflash function
-    bodies stripped (the Scan of GatedDeltaRule with them), every operator is one TensorRT's ONNX parser has, the
-    dflash nodes are the three plugins, and the optimization profile bounds every input, the recurrent state pools
-    at layers x slots."""
+    bodies stripped (GatedDeltaRule's Scan and CausalConv1d's Conv with them), every operator is one TensorRT's
+    ONNX parser has, the dflash nodes are the four plugins, and the optimization profile bounds every input, the
+    recurrent state pools at layers x slots."""
     from dflash_trt.builder.tensorrt_engine import input_dims, plugin_ready_onnx
     from dflash_trt.runtime.repository import load_engine
 
@@ -309,7 +309,10 @@ def test_hybrid_graphs_are_ready_for_tensorrt(qwen35_repo: Path, tmp_path: Path)
         nodes = all_nodes(model.graph)
         standard = {n.op_type for n in nodes if n.domain in ("", "ai.onnx")}
         assert standard <= TENSORRT_OPS, f"{name}: operators TensorRT's parser lacks: {standard - TENSORRT_OPS}"
-        assert {n.op_type for n in nodes if n.domain == DOMAIN} <= {"HiddenStateTap", "BlockDenoise", "GatedDeltaRule"}
+        custom = {n.op_type for n in nodes if n.domain == DOMAIN}
+        assert (
+            {"GatedDeltaRule", "CausalConv1d"} <= custom <= {"HiddenStateTap", "BlockDenoise", "GatedDeltaRule", "CausalConv1d"}
+        )
         assert not [f.name for f in model.functions if f.domain == DOMAIN], "the plugins' bodies are stripped"
         dims = input_dims(name, spec)
         assert [i.name for i in model.graph.input] == list(dims)

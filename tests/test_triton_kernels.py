@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dflash_trt.plugins.block_denoise import block_denoise, block_denoise_triton
+from dflash_trt.plugins.causal_conv1d import causal_conv1d, causal_conv1d_triton
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule, gated_delta_rule_triton
 from dflash_trt.plugins.hidden_state_tap import TapWeights, hidden_state_tap, hidden_state_tap_triton
 
@@ -149,7 +150,7 @@ def test_kernels_compile_ahead_of_time_for_sm80_and_sm90() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    kernels = ("hidden_state_tap_kernel", "block_denoise_kernel", "gated_delta_rule_kernel")
+    kernels = ("hidden_state_tap_kernel", "block_denoise_kernel", "gated_delta_rule_kernel", "causal_conv1d_kernel")
     dtypes = ("float32", "float16", "bfloat16")
     assert {(r["kernel"], r["dtype"], r["arch"]) for r in rows} == {(k, d, a) for k in kernels for d in dtypes for a in (80, 90)}
     for row in rows:
@@ -206,3 +207,27 @@ def test_gated_delta_rule_kernel_matches_reference(dtype: torch.dtype, case: str
     assert out.shape == ref_out.shape and final.shape == ref_final.shape and out.dtype == torch.float32
     assert _max_error(out, ref_out) <= 2e-5 * max(1.0, ref_out.abs().max().item())
     assert _max_error(final, ref_final) <= 2e-5 * max(1.0, ref_final.abs().max().item())
+
+
+CONV_CASES = {
+    # name: (batch, tokens, channels, kernel)
+    "block-16": (2, 16, 96, 4),
+    "one-token": (3, 1, 40, 4),
+    "prompt-odd-channels": (1, 23, 200, 4),  # channels not a power of two, two channel blocks
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_causal_conv1d_kernel_matches_reference(dtype: torch.dtype, case: str) -> None:
+    """Depthwise causal convolution + SiLU over [window ; block] in fp32 from the same rounded inputs, one rounding
+    of the output; `extended` is a copy, so it is exact."""
+    batch, tokens, channels, kernel = CONV_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    x = torch.randn(batch, tokens, channels, generator=generator).to(dtype)
+    window = torch.randn(batch, kernel - 1, channels, generator=generator).to(dtype)
+    weight = (torch.randn(channels, 1, kernel, generator=generator) * 0.5).to(dtype)
+    y, extended = causal_conv1d_triton(x, window, weight)
+    ref_y, ref_extended = causal_conv1d(x.float(), window.float(), weight.float())
+    assert y.dtype == dtype and y.shape == ref_y.shape and torch.equal(extended.float(), ref_extended)
+    assert _max_error(y, ref_y) <= TOLERANCE[dtype] * max(1.0, ref_y.abs().max().item())

@@ -12,10 +12,12 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import torch
@@ -94,12 +96,14 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
                 dynamic_shapes=axes,
                 input_names=[t.name for t in graph_inputs(name, spec.states)],
                 output_names=[t.name for t in graph_outputs(name, spec.states)],
+                optimize=False,  # its optimizer would fold every weight's Transpose into a copy: folded lazily first
                 verbose=False,
             )
+        assert program is not None
+        fold_weight_transposes(program.model)
+        program.optimize()
     finally:
         exporter_log.setLevel(level)
-    assert program is not None
-    fold_weight_transposes(program.model)
     return program.model
 
 
@@ -111,25 +115,32 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
 
 
 def fold_weight_transposes(model: ir.Model) -> None:
-    """Replace Transpose(initializer) by a transposed initializer, in place.
+    """Replace Transpose(initializer) by an initializer holding the transposed weight, in place, computed only when
+    it is written out (one weight at a time: a linear layer's weight enters the graph through a Transpose, so folding
+    them all at once would hold a second copy of the model).
 
-    The exporter's optimizer leaves large ones (the lm_head / tied embedding) to run at every call, which
-    costs more memory traffic than the matmul itself on a CPU.
+    Left in the graph, such a Transpose runs at every call, which on a CPU costs more memory traffic than the matmul.
     """
     graph = model.graph
     for node in list(graph):
         source = node.inputs[0] if node.op_type == "Transpose" else None
         if source is None or source.const_value is None or not source.is_initializer():
             continue
-        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else None
+        weight = source.const_value
+        perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else list(range(len(weight.shape)))[::-1]
         output = node.outputs[0]
         folded = ir.Value(name=f"{output.name}_folded", type=output.type, shape=output.shape)
-        folded.const_value = ir.tensor(source.const_value.numpy().transpose(perm).copy(), name=folded.name)
+        shape = ir.Shape([weight.shape.numpy()[axis] for axis in perm])
+        folded.const_value = ir.LazyTensor(partial(_transposed, weight, perm), weight.dtype, shape, name=folded.name)
         ir.convenience.replace_all_uses_with(output, folded)
         graph.remove(node, safe=True)
         graph.register_initializer(folded)
         if not source.uses() and not source.is_graph_output():
             del graph.initializers[source.name]  # type: ignore[arg-type]
+
+
+def _transposed(weight: ir.TensorProtocol, perm: Sequence[int]) -> ir.TensorProtocol:
+    return ir.tensor(np.ascontiguousarray(weight.numpy().transpose(perm)))
 
 
 def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

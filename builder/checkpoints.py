@@ -365,7 +365,7 @@ def skipped_weights(checkpoint_dir: Path) -> list[str]:
     return sorted(f"{prefix}*" for prefix in found)
 
 
-def load_safetensors_dir(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_safetensors_dir(checkpoint_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors the networks are built from, of every *.safetensors file in the directory, under their network
     names, each cast to `dtype` as it is read (one tensor at a time: never the checkpoint twice in memory); the
     weights that are not built (SKIPPED_WEIGHTS) are never read."""
@@ -379,6 +379,5 @@ def load_safetensors_dir(checkpoint_dir: Path, dtype: torch.dtype | None = None)
         with safe_open(str(path), "pt") as handle:
             for name in handle.keys():
                 if not _network_name(name).startswith(SKIPPED_WEIGHTS):
-                    tensor = handle.get_tensor(name)
-                    state[_network_name(name)] = tensor if dtype is None else tensor.to(dtype)
+                    state[_network_name(name)] = handle.get_tensor(name).to(dtype)
     return state

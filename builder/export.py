@@ -75,7 +75,10 @@ def example_inputs(spec: EngineSpec, name: str) -> tuple[tuple[torch.Tensor, ...
     return tuple(inputs), tuple(axes)
 
 
-ONNX_FUNCTIONS = [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS, *causal_conv1d.ONNX_FUNCTIONS]
+ONNX_FUNCTIONS = [
+    *hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS, *causal_conv1d.ONNX_FUNCTIONS,
+    gated_delta_rule.onnx_function(),
+]  # fmt: skip
 
 
 def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
@@ -110,8 +113,7 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
 def to_proto(model: ir.Model) -> onnx.ModelProto:
     """The model as a ModelProto with the dflash function bodies attached (initializers as the model holds them:
     in memory, or references into WEIGHTS_FILE once `SharedWeights.externalize` ran)."""
-    functions = [*ONNX_FUNCTIONS, gated_delta_rule.onnx_function()]
-    return attach_functions(ir.serde.serialize_model(model), functions)
+    return attach_functions(ir.serde.serialize_model(model), ONNX_FUNCTIONS)
 
 
 def fold_weight_transposes(model: ir.Model) -> None:
@@ -141,12 +143,6 @@ def fold_weight_transposes(model: ir.Model) -> None:
 
 def _transposed(weight: ir.TensorProtocol, perm: Sequence[int]) -> ir.TensorProtocol:
     return ir.tensor(np.ascontiguousarray(weight.numpy().transpose(perm)))
-
-
-def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The graph's nodes and, recursively, those of its `If` branches (which read outer-scope values)."""
-    branches = [b for node in graph.node for a in node.attribute for b in ([a.g] if a.HasField("g") else a.graphs)]
-    return [*graph.node, *(node for branch in branches for node in all_nodes(branch))]
 
 
 class SharedWeights:

@@ -448,21 +448,22 @@ def load_target(checkpoint_dir: Path, tap_layer_ids: tuple[int, ...] = (), dtype
     config = parse_target_config(read_config_json(checkpoint_dir), where=str(checkpoint_dir))
     with torch.device("meta"):
         network = TargetNetwork(config, tap_layer_ids)
-    state = load_safetensors_dir(checkpoint_dir, dtype or config.dtype)
+    dtype = dtype or config.dtype
     ignore = ("lm_head",) if config.tie_word_embeddings else ()
-    _load_state(network, state, str(checkpoint_dir), ignore)
+    _load_state(network, load_safetensors_dir(checkpoint_dir, dtype), str(checkpoint_dir), ignore)
     network.tie_weights()
-    return network.to(dtype or config.dtype).eval()  # the RoPE buffers; the weights are in dtype already
+    return network.to(dtype).eval()  # the RoPE buffers; the weights are in dtype already
 
 
 def load_drafter(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> DrafterNetwork:
     """Load a z-lab DFlash drafter directory (either config schema) as a DrafterNetwork (eval mode)."""
     raw = read_config_json(checkpoint_dir)
     config = parse_drafter_config(raw, where=str(checkpoint_dir))
+    dtype = dtype or checkpoint_dtype(raw)
     with torch.device("meta"):
         network = DrafterNetwork(config)
-    _load_state(network, load_safetensors_dir(checkpoint_dir, dtype or checkpoint_dtype(raw)), str(checkpoint_dir))
-    return network.to(dtype or checkpoint_dtype(raw)).eval()
+    _load_state(network, load_safetensors_dir(checkpoint_dir, dtype), str(checkpoint_dir))
+    return network.to(dtype).eval()  # the RoPE buffers; the weights are in dtype already
 
 
 def load_pair(target_dir: Path, drafter_dir: Path, dtype: torch.dtype | None = None) -> tuple[TargetNetwork, DrafterNetwork]:

@@ -10,7 +10,7 @@ No `from __future__ import annotations` here: tensorrt.plugin reads the annotati
 
 import torch
 from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
-from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, compile_for_gpu
+from dflash_trt.plugins.triton_launch import SUPPORTED_ARCHS, CompiledKernel, compile_for_gpu
 
 _registered = False
 FLOAT_IO = "FP32|FP16|BF16"  # every floating-point tensor of an op shares one dtype (inv_freq stays FP32)
@@ -37,6 +37,22 @@ def register_tensorrt_plugins() -> None:
 
     _registered = True
     dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16}
+
+    def aot_result(
+        compiled: CompiledKernel, grid: tuple[trtp.SymInt32 | int, ...], runtime_size: trtp.SymIntExpr
+    ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:
+        """What an aot_impl returns: the kernel's PTX entry and text, a launch of `grid` programs (x, y[, z]) of the
+        kernel's warps, and the kernel's one runtime size as a 32-bit scalar."""
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x = grid[0]
+        launch.grid_y = grid[1]
+        if len(grid) > 2:
+            launch.grid_z = grid[2]
+        launch.block_x = compiled.num_warps * 32
+        launch.shared_mem = compiled.shared_bytes
+        scalars = trtp.SymIntExprs(1)
+        scalars[0] = trtp.SymInt32(runtime_size)
+        return compiled.name, compiled.ptx, launch, scalars
 
     @trtp.register("dflash::HiddenStateTap")
     def tap_shapes(
@@ -68,14 +84,7 @@ def register_tensorrt_plugins() -> None:
         )
         compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
         rows = fused.shape_expr[0] * fused.shape_expr[1]
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = trtp.cdiv(rows, hidden_state_tap.BLOCK_ROWS)
-        launch.grid_y = layers * kv_heads
-        launch.block_x = compiled.num_warps * 32
-        launch.shared_mem = compiled.shared_bytes
-        scalars = trtp.SymIntExprs(1)
-        scalars[0] = trtp.SymInt32(rows)
-        return compiled.name, compiled.ptx, launch, scalars
+        return aot_result(compiled, (trtp.cdiv(rows, hidden_state_tap.BLOCK_ROWS), layers * kv_heads), rows)
 
     @trtp.register("dflash::BlockDenoise")
     def denoise_shapes(
@@ -107,14 +116,7 @@ def register_tensorrt_plugins() -> None:
             scale, dtypes[q.dtype], block_denoise.TACTIC_BLOCK_N.get(tactic, 32),
         )  # fmt: skip
         compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = q.shape_expr[0]
-        launch.grid_y = heads
-        launch.block_x = compiled.num_warps * 32
-        launch.shared_mem = compiled.shared_bytes
-        scalars = trtp.SymIntExprs(1)
-        scalars[0] = trtp.SymInt32(ctx_k.shape_expr[1])
-        return compiled.name, compiled.ptx, launch, scalars
+        return aot_result(compiled, (q.shape_expr[0], heads), ctx_k.shape_expr[1])
 
     @trtp.register("dflash::GatedDeltaRule")
     def recurrence_shapes(
@@ -140,15 +142,8 @@ def register_tensorrt_plugins() -> None:
                                      v.shape_expr[3].constant_value())  # fmt: skip
         spec = gated_delta_rule.aot_spec(heads, key_dim, value_dim, torch.float32)
         compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = q.shape_expr[0]
-        launch.grid_y = heads
-        launch.grid_z = -(-value_dim // spec.constexprs["BLOCK_V"])
-        launch.block_x = compiled.num_warps * 32
-        launch.shared_mem = compiled.shared_bytes
-        scalars = trtp.SymIntExprs(1)
-        scalars[0] = trtp.SymInt32(q.shape_expr[1])  # S
-        return compiled.name, compiled.ptx, launch, scalars
+        column_blocks = -(-value_dim // spec.constexprs["BLOCK_V"])
+        return aot_result(compiled, (q.shape_expr[0], heads, column_blocks), q.shape_expr[1])  # runtime size: S
 
     @trtp.register("dflash::CausalConv1d")
     def conv_shapes(
@@ -170,11 +165,5 @@ def register_tensorrt_plugins() -> None:
     ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
         spec = causal_conv1d.aot_spec(channels, weight.shape_expr[2].constant_value(), dtypes[x.dtype])
         compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = x.shape_expr[0]
-        launch.grid_y = -(-channels // spec.constexprs["BLOCK_C"])
-        launch.block_x = compiled.num_warps * 32
-        launch.shared_mem = compiled.shared_bytes
-        scalars = trtp.SymIntExprs(1)
-        scalars[0] = trtp.SymInt32(x.shape_expr[1])  # S
-        return compiled.name, compiled.ptx, launch, scalars
+        channel_blocks = -(-channels // spec.constexprs["BLOCK_C"])
+        return aot_result(compiled, (x.shape_expr[0], channel_blocks), x.shape_expr[1])  # runtime size: S

@@ -166,9 +166,11 @@ class AdaptiveVerify:
         return [float("nan") if c is None else float(t) / max(c, 1e-9) for t, c in zip(tokens, costs, strict=True)]
 
     def choose(self, batch: int) -> int:
+        if self.drafted_steps < self.warmup_steps:
+            return self.block_size - 1  # acceptance not measured yet: verify everything and measure
         rates = self.expected_rates(batch)
-        if self.drafted_steps < self.warmup_steps or any(np.isnan(r) for r in rates):
-            return self.block_size - 1  # acceptance or a cost not measured yet: verify everything and measure
+        if any(np.isnan(r) for r in rates):
+            return self.block_size - 1  # a cost not measured yet: likewise
         best = int(np.argmax(rates))
         below = self.looks % 2 == 1 and best > 0
         look = max(best - self.explore_extra, 0) if below else min(best + self.explore_extra, self.block_size - 1)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
@@ -48,6 +49,12 @@ def write_tiny_tokenizer(output_dir: Path, vocab_size: int = 96) -> None:
     core = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<s>").save_pretrained(output_dir)
+
+
+def all_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's nodes and, recursively, those of its `If` branches (which read outer-scope values)."""
+    branches = [b for node in graph.node for a in node.attribute for b in ([a.g] if a.HasField("g") else a.graphs)]
+    return [*graph.node, *(node for branch in branches for node in all_nodes(branch))]
 
 
 def peak_weights(model: torch.nn.Module, std: float) -> None:

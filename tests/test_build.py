@@ -14,7 +14,6 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
-from dflash_trt.builder.export import all_nodes
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import MANIFEST, is_complete_repository
@@ -25,6 +24,8 @@ from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from transformers import AutoModelForCausalLM
+
+from tests.conftest import all_nodes
 
 # Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
 # operator matrix), plus the dflash nodes that become plugins. Anything else would break the TensorRT build.

@@ -13,7 +13,6 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
-from dflash_trt.builder.export import all_nodes
 from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate, generate_plain
@@ -23,7 +22,7 @@ from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FixedVerify
 from transformers import Qwen3Config
 
-from tests.conftest import write_tiny_tokenizer
+from tests.conftest import all_nodes, write_tiny_tokenizer
 from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, VOCAB, _chi_square_p, _dflash_counts, _pair
 
 

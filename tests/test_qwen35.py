@@ -14,7 +14,6 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError, parse_target_config, read_config_json
-from dflash_trt.builder.export import all_nodes
 from dflash_trt.builder.gated_deltanet import GDNTape, commit_state, commit_window
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.networks import KVCache, load_pair, load_target
@@ -25,7 +24,7 @@ from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from tests.conftest import peak_weights, write_tiny_drafter, write_tiny_tokenizer
+from tests.conftest import all_nodes, peak_weights, write_tiny_drafter, write_tiny_tokenizer
 
 VOCAB = 96
 TEXT_CONFIG = dict(

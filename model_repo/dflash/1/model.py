@@ -71,6 +71,7 @@ class Client:
     request_id: str
     streaming: bool
     text: TextStream
+    outputs: frozenset[str]  # the output names the request asked for (all of them when it named none)
     arrived: float = field(default_factory=time.perf_counter)
     has_tokens: bool = False  # its first token was generated
     unsent_tokens: list[int] = field(default_factory=list)
@@ -173,7 +174,8 @@ class TritonPythonModel:
         max_tokens = int(_batch_row(request, "max_tokens")[0])
         sequence = Sequence(prompt, max_tokens, self._sampling(request), self._stop_criteria(request))
         streaming = bool(_scalar(request, "stream", False))
-        return Client(request, sender, sequence, request.request_id(), streaming, TextStream(self.tokenizer))  # type: ignore[attr-defined]
+        outputs = frozenset(request.requested_output_names())  # type: ignore[attr-defined]
+        return Client(request, sender, sequence, request.request_id(), streaming, TextStream(self.tokenizer), outputs)  # type: ignore[attr-defined]
 
     def _sampling(self, request: object) -> SamplingParams:
         seed = _scalar(request, "random_seed", None)
@@ -267,7 +269,7 @@ class TritonPythonModel:
         also only ever sees a final response that is not an error)."""
         self.scheduler.cancel(client.sequence)
         self._finish(client)
-        response = self._response(client.unsent_tokens, client.unsent_text, client.sequence)
+        response = self._response(client, client.unsent_tokens, client.unsent_text)
         client.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
 
     def _deliver(self, client: Client, new: list[int]) -> None:
@@ -280,7 +282,7 @@ class TritonPythonModel:
         client.unsent_text += client.text.push(new)
         if not (sequence.finished or (client.streaming and client.unsent_tokens)):
             return
-        response = self._response(client.unsent_tokens, client.unsent_text, sequence)
+        response = self._response(client, client.unsent_tokens, client.unsent_text)
         client.unsent_tokens, client.unsent_text = [], ""
         if sequence.finished:
             self._finish(client)
@@ -309,17 +311,21 @@ class TritonPythonModel:
             self.metrics.observe("batch", self.scheduler.last_batch)
             self.metrics.observe("step_seconds", seconds)
 
-    def _response(self, new: list[int], text: str, sequence: Sequence) -> object:
-        stats = sequence.stats
-        tensors = [  # each [1, ...]: the request's one batch row
-            pb_utils.Tensor("output_ids", np.asarray([new], dtype=np.int64)),
-            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object)),
-            pb_utils.Tensor("total_draft_tokens", np.asarray([[stats.draft_tokens]], dtype=np.int64)),
-            pb_utils.Tensor("total_accepted_draft_tokens", np.asarray([[stats.accepted_draft_tokens]], dtype=np.int64)),
-            pb_utils.Tensor("acceptance_rate", np.asarray([[stats.acceptance_rate]], dtype=np.float32)),
-            pb_utils.Tensor("total_steps", np.asarray([[stats.steps]], dtype=np.int64)),
-            pb_utils.Tensor("total_output_tokens", np.asarray([[len(sequence.tokens)]], dtype=np.int64)),
-        ]
+    def _response(self, client: Client, new: list[int], text: str) -> object:
+        """A response holding only the outputs the request asked for. Triton's Python backend (r24.10, the one
+        nvidia-pytriton bundles) drops unrequested outputs in `send` with the GIL released, and freeing their numpy
+        arrays there corrupted the stub's heap under load (fixed upstream in python_backend#390)."""
+        stats, sequence = client.sequence.stats, client.sequence
+        arrays = {  # each [1, ...]: the request's one batch row
+            "output_ids": np.asarray([new], dtype=np.int64),
+            "text_output": np.array([[text.encode("utf-8")]], dtype=object),
+            "total_draft_tokens": np.asarray([[stats.draft_tokens]], dtype=np.int64),
+            "total_accepted_draft_tokens": np.asarray([[stats.accepted_draft_tokens]], dtype=np.int64),
+            "acceptance_rate": np.asarray([[stats.acceptance_rate]], dtype=np.float32),
+            "total_steps": np.asarray([[stats.steps]], dtype=np.int64),
+            "total_output_tokens": np.asarray([[len(sequence.tokens)]], dtype=np.int64),
+        }
+        tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items() if name in client.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     # --- errors ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from dflash_trt.runtime.sampling import RequestError
 from transformers import AutoTokenizer
 
 WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
+BLS_GRACE_SECONDS = 10.0  # how long a BLS call's responses are kept once it ended (see `HeldCalls`)
 FORWARDED = ("max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id", "stop_words")
 STATS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
 # tensorrtllm_backend inputs this model accepts only at their neutral value: input -> (allowed values, why not).
@@ -98,8 +100,35 @@ class Job:
     key: str  # the request id of its `dflash` request, which a stop request names
     streaming: bool
     echo: str  # text sent before the completion (the prompt, in non-streaming mode unless excluded)
+    outputs: frozenset[str]  # the output names the client asked for (all of them when it named none)
     lock: threading.Lock = field(default_factory=threading.Lock)
     finished: bool = False
+
+
+class HeldCalls:
+    """BLS response iterators kept alive for a while, then dropped by the watcher thread (which holds the GIL).
+
+    Triton's Python backend r24.10 (the one nvidia-pytriton bundles) also keeps each BLS call's iterator, and drops
+    it on a thread of its own without the GIL once the call ended; when it drops the last reference, the numpy arrays
+    of the call's responses are freed there, which corrupted the stub's heap under load (python_backend#390 fixed
+    it upstream). Held here until well after that, the iterator is freed by Python, with the GIL.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.held: deque[tuple[float, object]] = deque()  # (when it may go, iterator), in that order
+        self.lock = threading.Lock()
+
+    def hold(self, iterator: object) -> None:
+        with self.lock:
+            self.held.append((time.monotonic() + self.seconds, iterator))
+
+    def release_due(self) -> None:
+        due = []
+        with self.lock:
+            while self.held and self.held[0][0] <= time.monotonic():
+                due.append(self.held.popleft())
+        del due  # freed here, outside the lock
 
 
 class TritonPythonModel:
@@ -113,6 +142,7 @@ class TritonPythonModel:
         self.ids = (f"ensemble-{os.getpid()}-{n}" for n in itertools.count())
         self.jobs: dict[str, Job] = {}
         self.jobs_lock = threading.Lock()
+        self.finished_calls = HeldCalls(BLS_GRACE_SECONDS)
         self.running = True
         self.watcher = threading.Thread(target=self._watch, name="ensemble-cancel-watcher", daemon=True)
         self.watcher.start()
@@ -156,7 +186,8 @@ class TritonPythonModel:
         text = _prompt_text(request)
         ids = encode_prompt(self.tokenizer, text, chat=self.chat)
         echo = "" if streaming or _scalar(request, "exclude_input_in_output", False) else text
-        job = Job(request, sender, next(self.ids), streaming, echo)
+        outputs = frozenset(request.requested_output_names())  # type: ignore[attr-defined]
+        job = Job(request, sender, next(self.ids), streaming, echo, outputs)
         inputs = [pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int64))]
         inputs.append(pb_utils.Tensor("stream", np.array([[streaming]])))  # not streaming: one response at the end
         for name in FORWARDED:
@@ -173,10 +204,12 @@ class TritonPythonModel:
     def _run(self, job: Job, call: object) -> None:
         pieces: list[str] = [job.echo]
         stats: list[object] = []
+        responses = None
         try:
             if job.finished:  # cancelled before its request went out: nothing to run
                 return
-            for response in call.exec(decoupled=True):  # type: ignore[attr-defined]
+            responses = call.exec(decoupled=True)  # type: ignore[attr-defined]
+            for response in responses:
                 if response.has_error():
                     self._end(job, pb_utils.InferenceResponse(error=response.error()))
                     return
@@ -186,13 +219,13 @@ class TritonPythonModel:
                 piece = b"".join(text.as_numpy().reshape(-1)).decode("utf-8")
                 stats = [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in STATS]
                 if job.streaming:
-                    self._send(job, self._response(piece, stats))
+                    self._send(job, self._response(job, piece, stats))
                 else:
                     pieces.append(piece)
             if job.streaming:
                 self._end(job, None)
             else:
-                self._end(job, self._response("".join(pieces), stats))
+                self._end(job, self._response(job, "".join(pieces), stats))
         except Exception as error:  # this request ends with the error; the model and other requests go on
             pb_utils.Logger.log_error(f"ensemble: internal error: {error!r}\n{traceback.format_exc()}")
             message = f"ensemble: internal error: {error!r} (logged on the server)"
@@ -200,10 +233,13 @@ class TritonPythonModel:
         finally:
             with self.jobs_lock:
                 self.jobs.pop(job.key, None)
+            self.finished_calls.hold(responses)
 
-    def _response(self, text: str, stats: list[object]) -> object:
-        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]  # [1], as tensorrtllm_backend
-        tensors += [pb_utils.Tensor(name, np.asarray(value).reshape(1, 1)) for name, value in zip(STATS, stats, strict=True)]
+    def _response(self, job: Job, text: str, stats: list[object]) -> object:
+        """Only the outputs the client asked for: see `dflash`'s model (the backend frees the others without the GIL)."""
+        arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object)}  # [1], as tensorrtllm_backend
+        arrays |= {name: np.asarray(value).reshape(1, 1) for name, value in zip(STATS, stats, strict=True)}
+        tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items() if name in job.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def _send(self, job: Job, response: object) -> None:
@@ -234,6 +270,7 @@ class TritonPythonModel:
                     self._stop(job.key)
                     error = pb_utils.TritonError("request cancelled", pb_utils.TritonError.CANCELLED)
                     self._end(job, pb_utils.InferenceResponse(error=error))
+            self.finished_calls.release_due()
             time.sleep(WATCH_SECONDS)
 
     def _cancelled(self, job: Job) -> bool:
@@ -251,6 +288,8 @@ class TritonPythonModel:
             requested_output_names=["output_ids"],
             request_id=key,
         )
-        for response in stop.exec(decoupled=True):
+        responses = stop.exec(decoupled=True)
+        for response in responses:
             if response.has_error():
                 pb_utils.Logger.log_warn(f"ensemble: stopping {key} failed: {response.error().message()}")
+        self.finished_calls.hold(responses)

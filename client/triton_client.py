@@ -45,8 +45,9 @@ class Retry:
         time.sleep(min(self.backoff_seconds * 2 ** (failed_tries - 1), self.max_backoff_seconds))
 
 
-# Answers of a replica that is shutting down (tritonserver after SIGTERM): another replica can serve the request.
-SHUTTING_DOWN = ("Server not ready", "has no available versions", "Request for unknown model")
+# Answers of a replica that cannot run the request, which another replica (or this one restarted) can serve:
+# tritonserver shutting down after SIGTERM, or a model whose Python-backend stub died (dflash-serve restarts it).
+CANNOT_SERVE = ("Server not ready", "has no available versions", "Request for unknown model", "is not healthy")
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def grpc_stream(
             except queue.Empty:
                 raise StreamBroken(f"no response from {url} in {timeout:.0f} s") from None
             if error is not None:  # the model's answer carries no gRPC status; a failed stream does
-                broken = error.status() is not None or any(answer in str(error) for answer in SHUTTING_DOWN)
+                broken = error.status() is not None or any(answer in str(error) for answer in CANNOT_SERVE)
                 raise StreamBroken(str(error)) if broken else ServerError(str(error))
             arrays = {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
             if arrays:

@@ -5,8 +5,8 @@ the replica with the fewest open streams; Triton's HTTP port is balanced likewis
 replica's HTTP port for `/v2/health/ready` in HTTP/1 (`check-proto h1`: spoken as h2 to that port, every check
 fails and every replica is marked down). A replica that stops answering is taken out within a second, and a
 connection that fails is re-sent to another replica; a stream that breaks mid-request is the client's to retry
-(`dflash_trt.client.triton_client` does). A replica that dies is reaped with its Python-backend stubs (its whole
-process group); stopping the fleet stops every process of it.
+(`dflash_trt.client.triton_client` does). A replica that dies, or whose Python-backend stub dies, is killed with its
+whole process group and started again; stopping the fleet stops every process of it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.runtime.serve import Ports, free_port, start_server, wait_ready
+from dflash_trt.runtime.serve import Ports, dead_backend_stubs, free_port, kill_server, start_server, wait_ready
 
 HEALTH_CHECK = "inter 500 fall 1 rise 2"  # checked every 0.5 s, down after one failure, up after two successes
 
@@ -115,13 +115,21 @@ class Fleet:
             time.sleep(0.2)
         raise TimeoutError(f"the balancer did not answer ready in {timeout:.0f} s")
 
-    def reap(self) -> list[Replica]:
-        """Replicas that died since the last call: their process groups (backend stubs included) are killed."""
-        dead = [r for r in self.replicas if not r.alive and not r.reaped]
-        for replica in dead:
-            _signal_group(replica.process.pid, signal.SIGKILL)
+    def reap(self) -> list[tuple[Replica, str]]:
+        """Replicas that failed since the last call, and how: the server exited, or one of its Python-backend stubs
+        died (the server then still answers ready). Their process groups (stubs included) are killed."""
+        failed = []
+        for replica in self.replicas:
+            if replica.reaped:
+                continue
+            if not replica.alive:
+                failed.append((replica, f"exited ({replica.process.returncode})"))
+            elif stubs := dead_backend_stubs(replica.process.pid):
+                failed.append((replica, f"lost a Python-backend stub (pid {stubs[0]})"))
+        for replica, _ in failed:
+            kill_server(replica.process)
             replica.reaped = True
-        return dead
+        return failed
 
     def restart(self, replica: Replica) -> None:
         """Start a dead replica again on its ports (the balancer's checks take it back once it is ready)."""

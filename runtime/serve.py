@@ -26,6 +26,7 @@ from dflash_trt.builder.repository import UNARY_CONFIG, is_complete_repository
 from dflash_trt.runtime.repository import check_servable, engine_dir_of, read_manifest
 
 SYSTEM_TRITON = Path("/opt/tritonserver")
+WATCH_SECONDS = 0.5  # how often dflash-serve looks for a dead server or a dead backend stub
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,28 @@ def wait_ready(process: subprocess.Popen[bytes], http_port: int, timeout: float 
     raise TimeoutError(f"tritonserver was not ready after {timeout:.0f} s")
 
 
+STUB_COMMAND = "triton_python_b"  # a Python-backend stub's process name (the kernel keeps 15 characters)
+
+
+def dead_backend_stubs(server_pid: int) -> list[int]:
+    """Pids of the server's Python-backend stubs that died and were not reaped (zombies). tritonserver reaps a stub
+    only when it unloads the model, and until then every request to that model fails or hangs while the server's
+    health endpoints still answer ready (Triton 2.51): a server with a dead stub has to be restarted."""
+    dead = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        command, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        state, parent = fields[0], int(fields[1])  # stat fields 3 and 4
+        if parent == server_pid and state == "Z" and command.startswith(STUB_COMMAND):
+            dead.append(int(entry.name))
+    return dead
+
+
 def stop_server(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
     """SIGTERM the server's process group, SIGKILL it if it does not exit in time; returns its exit code."""
     if process.poll() is None:
@@ -136,6 +159,15 @@ def stop_server(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return process.returncode
+
+
+def kill_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the server's whole process group (its stubs included) and reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,8 +213,23 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
-    code = process.wait()
-    return 0 if stopping else code
+    while True:
+        try:
+            code = process.wait(WATCH_SECONDS)
+            return 0 if stopping else code
+        except subprocess.TimeoutExpired:
+            pass
+        stubs = dead_backend_stubs(process.pid)
+        if stubs and not stopping:
+            print(f"dflash-serve: a Python-backend stub died (pid {stubs[0]}); restarting tritonserver", file=sys.stderr)
+            kill_server(process)
+            process = start_server(args.repo, Ports(args.grpc_port, args.http_port, args.metrics_port), unary=args.unary)
+            try:
+                print(f"dflash-serve: ready again in {wait_ready(process, args.http_port):.1f} s", file=sys.stderr)
+            except (RuntimeError, TimeoutError) as error:
+                print(f"dflash-serve: error: {error}", file=sys.stderr)
+                kill_server(process)
+                return 1
 
 
 def serve_fleet(args: argparse.Namespace) -> int:
@@ -211,11 +258,10 @@ def serve_fleet(args: argparse.Namespace) -> int:
         print(f"dflash-serve: {args.replicas} replicas behind {args.lb} ready in {seconds:.1f} s", file=sys.stderr)
         print(fleet.describe(), flush=True)
         while not stopping:
-            for replica in fleet.reap():
-                code = replica.process.returncode
+            for replica, why in fleet.reap():
                 fleet.restart(replica)
-                print(f"dflash-serve: {replica.name} exited ({code}); started again, pid {replica.process.pid}", file=sys.stderr)
-            time.sleep(0.5)
+                print(f"dflash-serve: {replica.name} {why}; started again, pid {replica.process.pid}", file=sys.stderr)
+            time.sleep(WATCH_SECONDS)
     except (FileNotFoundError, RuntimeError, TimeoutError) as error:
         print(f"dflash-serve: error: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """A fleet on one machine, for real: `dflash-serve --replicas 3` (tritonserver replicas behind HAProxy), greedy
-requests from concurrent clients, one replica SIGKILLed mid-load (token streams, `dflash` model) and one
-SIGTERMed mid-load (text streams through the `ensemble`)."""
+requests from concurrent clients; mid-load, one replica is SIGKILLed and another loses its `dflash` backend stub
+(token streams, `dflash` model), then one is SIGTERMed (text streams through the `ensemble`)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,38 @@ def _fleet_processes(marks: tuple[str, ...]) -> list[str]:
     return found
 
 
+def _dflash_stub(server_pid: int) -> int:
+    """The pid of the server's `dflash` Python-backend stub."""
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == server_pid and b"dflash_0_0" in command:
+            return int(entry.name)
+    raise AssertionError(f"tritonserver {server_pid} has no dflash stub")
+
+
+def _wait_running(metrics_url: str, name: str) -> None:
+    deadline = time.perf_counter() + 30
+    while _gauge(metrics_url, "dflash_running_requests") == 0:
+        assert time.perf_counter() < deadline, f"{name} never got a request"
+        time.sleep(0.05)
+
+
+def _wait_serving(metrics_url: str, name: str) -> None:
+    """Until a restarted replica's `dflash` model exports its gauges again."""
+    deadline = time.perf_counter() + 180
+    while True:
+        try:
+            _gauge(metrics_url, "dflash_free_slots")
+            return
+        except (OSError, AssertionError):
+            assert time.perf_counter() < deadline, f"{name} did not come back"
+            time.sleep(0.5)
+
+
 def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_drains(tiny_repo: Path, tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     shutil.copytree(tiny_repo, repo)  # its own path: every process of this fleet names it
@@ -98,25 +130,24 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
         assert len(replicas) == 3, "".join(lines) + (fleet.stderr.read() if fleet.poll() is not None else "")  # type: ignore[union-attr]
         url = f"localhost:{grpc_port}"
 
-        # SIGKILL replica1 while it streams: every request still ends with its full, exact output.
+        # SIGKILL replica1, and replica2's dflash stub (its server still answers ready), while they stream: every
+        # request still ends with its full, exact output, and both replicas are started again.
         results, threads = _load(url, first)
-        deadline = time.perf_counter() + 30
-        while _gauge(replicas["replica1"][1], "dflash_running_requests") == 0:
-            assert time.perf_counter() < deadline, "replica1 never got a request"
-            time.sleep(0.05)
+        _wait_running(replicas["replica1"][1], "replica1")
         os.kill(replicas["replica1"][0], signal.SIGKILL)
+        _wait_running(replicas["replica2"][1], "replica2")
+        os.kill(_dflash_stub(replicas["replica2"][0]), signal.SIGKILL)
         for thread in threads:
-            thread.join(timeout=120)
+            thread.join(timeout=180)
         for prompt_index, prompt in enumerate(first):
             assert results[prompt_index] == expected[tuple(prompt)], f"request {prompt_index}: {results[prompt_index]}"
+        for name in ("replica1", "replica2"):
+            _wait_serving(replicas[name][1], name)
 
         # SIGTERM replica0 while it streams through the ensemble (a front model calling dflash): its streams finish,
         # and requests sent after it go elsewhere.
         results, threads = _load(url, second[:6])
-        deadline = time.perf_counter() + 30
-        while _gauge(replicas["replica0"][1], "dflash_running_requests") == 0:
-            assert time.perf_counter() < deadline, "replica0 never got a request"
-            time.sleep(0.05)
+        _wait_running(replicas["replica0"][1], "replica0")
         os.kill(replicas["replica0"][0], signal.SIGTERM)
         later, later_threads = _load(url, second[6:])
         for thread in threads + later_threads:
@@ -128,5 +159,8 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
     finally:
         fleet.send_signal(signal.SIGTERM)
         code = fleet.wait(90)
-    assert code == 0, fleet.stderr.read()  # type: ignore[union-attr]
+    log = fleet.stderr.read()  # type: ignore[union-attr]
+    assert code == 0, log
+    assert re.search(r"replica1 exited \(-9\); started again", log), log
+    assert re.search(r"replica2 lost a Python-backend stub \(pid \d+\); started again", log), log
     assert _fleet_processes((str(repo),)) == [], "processes of the fleet outlived it"

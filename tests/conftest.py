@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU 
 
 from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
 from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
-from dflash_trt.runtime.serve import Ports, free_port, start_server, stop_server, wait_ready  # noqa: E402
+from dflash_trt.runtime.serve import Ports, dead_backend_stubs, free_port, start_server, stop_server, wait_ready  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
 
 TINY = dict(
@@ -144,7 +144,8 @@ def running_server(repo: Path, log_dir: Path, unary: bool = False) -> Iterator[P
         wait_ready(process, ports.http)
         yield ports
     finally:
+        dead_stubs = dead_backend_stubs(process.pid)
         code = stop_server(process)
-        assert code == 0, f"tritonserver exited with code {code}; the end of {log}:\n" + "\n".join(
-            log.read_text(errors="replace").splitlines()[-40:]
-        )
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        assert not dead_stubs, f"Python-backend stubs died while the tests ran (pids {dead_stubs}); the end of {log}:\n{tail}"
+        assert code == 0, f"tritonserver exited with code {code}; the end of {log}:\n{tail}"

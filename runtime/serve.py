@@ -130,11 +130,9 @@ def wait_ready(process: subprocess.Popen[bytes], http_port: int, timeout: float 
 STUB_COMMAND = "triton_python_b"  # a Python-backend stub's process name (the kernel keeps 15 characters)
 
 
-def dead_backend_stubs(server_pid: int) -> list[int]:
-    """Pids of the server's Python-backend stubs that died and were not reaped (zombies). tritonserver reaps a stub
-    only when it unloads the model, and until then every request to that model fails or hangs while the server's
-    health endpoints still answer ready (Triton 2.51): a server with a dead stub has to be restarted."""
-    dead = []
+def child_processes(parent_pid: int) -> list[tuple[int, str, str]]:
+    """(pid, process name, state letter) of each process whose parent is `parent_pid`, read from /proc."""
+    children = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -142,11 +140,17 @@ def dead_backend_stubs(server_pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        command, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        state, parent = fields[0], int(fields[1])  # stat fields 3 and 4
-        if parent == server_pid and state == "Z" and command.startswith(STUB_COMMAND):
-            dead.append(int(entry.name))
-    return dead
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[1]) == parent_pid:  # stat fields 3 (state) and 4 (parent pid)
+            children.append((int(entry.name), name, fields[0]))
+    return children
+
+
+def dead_backend_stubs(server_pid: int) -> list[int]:
+    """Pids of the server's Python-backend stubs that died and were not reaped (zombies). tritonserver reaps a stub
+    only when it unloads the model, and until then every request to that model fails or hangs while the server's
+    health endpoints still answer ready (Triton 2.51): a server with a dead stub has to be restarted."""
+    return [pid for pid, name, state in child_processes(server_pid) if state == "Z" and name.startswith(STUB_COMMAND)]
 
 
 def stop_server(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:

@@ -20,7 +20,7 @@ from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import Request, stream_text, stream_tokens
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.serve import free_port
+from dflash_trt.runtime.serve import child_processes, free_port
 from transformers import AutoTokenizer
 
 pytestmark = [
@@ -78,14 +78,12 @@ def _fleet_processes(marks: tuple[str, ...]) -> list[str]:
 
 def _dflash_stub(server_pid: int) -> int:
     """The pid of the server's `dflash` Python-backend stub."""
-    for entry in Path("/proc").iterdir():
+    for pid, _, _ in child_processes(server_pid):
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
+            if b"dflash_0_0" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
             continue
-        if parent == server_pid and b"dflash_0_0" in command:
-            return int(entry.name)
     raise AssertionError(f"tritonserver {server_pid} has no dflash stub")
 
 

@@ -233,7 +233,8 @@ class TritonPythonModel:
         finally:
             with self.jobs_lock:
                 self.jobs.pop(job.key, None)
-            self.finished_calls.hold(responses)
+            if responses is not None:
+                self.finished_calls.hold(responses)
 
     def _response(self, job: Job, text: str, stats: list[object]) -> object:
         """Only the outputs the client asked for: see `dflash`'s model (the backend frees the others without the GIL)."""

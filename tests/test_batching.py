@@ -86,10 +86,11 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     policy = AdaptiveVerify(engine.block_size, StepCosts(), explore_budget=1e9)
     for tokens in (1, 2, 4, 8, 16, 64):
         policy.costs.record("verify", tokens, 0.01 + 0.0005 * tokens)  # a verify of 16 costs under twice one of 1
-    policy.costs.record("draft15", 1, 1.0)
-    for step in range(policy.warmup_steps):  # acceptance is measured before it is weighed
+    policy.costs.record("draft15", 1, 0.001)
+    for step in range(policy.warmup_rows):  # acceptance is measured before it is weighed
         assert policy.choose(1) == engine.block_size - 1, f"warm-up step {step}"
-        policy.observe("step", 1, engine.block_size, 1.018, [0], drafted=engine.block_size - 1)  # drafting: 1 s
+        policy.observe("step", 1, engine.block_size, 0.019, [0], drafted=engine.block_size - 1)
+    policy.costs.seconds["draft15"], policy.costs.seconds["run15"] = {1: 1.0}, {1: 1.018}  # drafting made costly
     assert policy.choose(1) == 0
     policy.costs.seconds["draft15"], policy.costs.seconds["run15"] = {1: 0.001}, {1: 0.019}  # drafting made cheap
     policy.accepted[1:] = policy.reached[1:]  # every draft accepted so far: verifying all pays
@@ -102,6 +103,27 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     live.calibrate(engine)
     _run_all(Scheduler(engine, live), requests)
     assert [r.tokens for r in requests] == alone
+
+
+def test_adaptive_verify_warms_up_only_where_drafting_could_pay() -> None:
+    """Before acceptance is measured, a batch where drafting steps cost many plain ones (compute-bound: 16 rows
+    verifying whole blocks, ~29 plain steps) decodes plainly instead of verifying whole blocks to measure; batch 1,
+    where the whole block costs under twice a 1-token verify, verifies it. Warm-up counts the rows of drafting
+    steps: one step of 16 rows measures what 16 steps of one row do."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9)
+    for tokens, seconds in ((1, 0.030), (16, 0.045), (64, 0.300), (256, 1.200)):
+        policy.costs.record("verify", tokens, seconds)
+    policy.costs.record("draft15", 1, 0.010)
+    policy.costs.record("draft15", 16, 0.100)
+    for _ in range(3):
+        assert policy.choose(16) == 0
+        policy.observe("verify", 16, 1, 0.045, [0] * 16)
+    assert policy.drafted_rows == 0
+    assert policy.choose(1) == 15
+    policy.observe("step", 1, 16, 0.055, [3], drafted=15)
+    assert policy.drafted_rows == 1
+    policy.observe("step", 16, 2, 0.200, [0] * 16, drafted=1)  # one step of 16 rows ends the warm-up
+    assert policy.drafted_rows == 17
 
 
 def test_adaptive_verify_learns_costs_from_warm_shapes_only() -> None:

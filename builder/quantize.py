@@ -11,7 +11,10 @@ Policy (the same for the target's and the drafter's linear layers unless `--quan
   The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
   float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
   its call; with the target's keys in position order (networks.TargetAttention) DFlash leaves bitwise what plain
-  decoding leaves on the same quantized engine.
+  decoding leaves on the same quantized engine. That holds where ONNX Runtime's kernels are row-independent, which
+  `rows_independent` checks on the CPU at hand: 8 bits on every CPU seen here; 4 bits on AVX-512 VNNI (AMD EPYC
+  Zen 4) but not on AVX2 (Zen 3), whose one-row 4-bit kernel rounds differently (~1e-6) from the many-row one,
+  so there DFlash on an int4 engine can leave plain decoding's tokens at a near-tie.
 - `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
   `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
   the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
@@ -164,6 +167,29 @@ def quantize_graph(
     finally:
         quantizer_log.setLevel(level)
     return model
+
+
+def rows_independent(mode: QuantizationMode, rows: int = 16) -> bool:
+    """Whether ONNX Runtime's MatMulNBits at `mode`'s bits gives a row the same bits alone as in a call of `rows`
+    rows, on this CPU (a 576 x 1536 random layer, the demo target's MLP shape)."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    generator = np.random.default_rng(0)
+    inputs, outputs = 576, 1536
+    weight = numpy_helper.from_array((generator.standard_normal((inputs, outputs)) * 0.05).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", inputs])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", outputs])],
+        [weight],
+    )
+    model = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), mode)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = generator.standard_normal((rows, inputs)).astype(np.float32)
+    return bool(np.array_equal(session.run(None, {"x": x[:1]})[0][0], session.run(None, {"x": x})[0][0]))
 
 
 def _matmul_nbits_quantizer() -> Any:

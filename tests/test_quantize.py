@@ -13,7 +13,7 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
-from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes
+from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes, rows_independent
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.quality import block_logits, logits_engine
@@ -88,7 +88,12 @@ def test_dflash_equals_plain_decoding_bit_for_bit(quantized_repo: tuple[tuple[st
     """Verifying whole blocks leaves the same tokens and the same target K/V rows as one-token plain decoding: each
     token's computation does not depend on the others in its call (int8-input kernels would amplify a 1-ulp
     difference into a different rounding, so an engine that is only approximately row-independent fails here)."""
-    _, repo = quantized_repo
+    (mode, _), repo = quantized_repo
+    if not rows_independent(MODES[mode]):
+        pytest.xfail(
+            f"on this CPU ONNX Runtime's {mode} MatMulNBits gives a row other bits alone than among 16 rows "
+            "(AVX2: its one-row 4-bit kernel), so verifying blocks cannot leave plain decoding's bits"
+        )
     plain, _ = load_engine(repo, max_batch=1)
     dflash, _ = load_engine(repo, max_batch=1)
     accepted = 0

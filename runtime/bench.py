@@ -215,11 +215,20 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated client counts (e.g. 1,4,16,64): measure in-flight batching under load instead "
         "(DFlash batched vs one at a time vs plain batched decoding, same engine)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --concurrency: rounds of the three modes, their order reversed every other round, each mode's "
+        "rounds pooled (so a drift in the machine's speed weighs on every mode alike)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: run at least one round")
     engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
     if args.block_size is not None and args.block_size != engine.block_size:
         parser.error(
@@ -237,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     greedy = args.temperature == 0
 
     if levels:
-        rows = load_table(engine, prompts, args.max_tokens, levels)
+        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds)
         if args.json:
-            settings = {"threads": args.threads, "max_tokens": args.max_tokens, "dataset": args.dataset}
+            settings = {"threads": args.threads, "max_tokens": args.max_tokens, "dataset": args.dataset, "rounds": args.rounds}
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0
     threads = engine_threads(manifest, args.threads)

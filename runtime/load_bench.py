@@ -7,6 +7,8 @@ as soon as its previous answer is complete), measured for three ways of serving 
 
 Reports aggregate generated tok/s, p50/p99 time to first token and inter-token latency (gap between a client's
 successive tokens, a step's tokens spread evenly over the step), and the share of each step spent on the host.
+The modes run in rounds, their order reversed every other round (A B C, C B A, ...), and each mode's rounds are
+pooled: a machine whose speed drifts during the minutes a table takes weighs on every mode alike.
 """
 
 from __future__ import annotations
@@ -36,7 +38,25 @@ class LoadResult:
     step_seconds: list[float] = field(default_factory=list)  # scheduler.step() wall time, prefills excluded
     graph_seconds: list[float] = field(default_factory=list)  # of which the batched graph call
     widths: list[int] = field(default_factory=list)
-    outputs: dict[int, list[int]] = field(default_factory=dict)  # request number -> tokens
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # request number -> tokens (of the first round)
+    rounds_agree: bool = True  # every pooled round gave the same outputs
+
+    def merged(self, other: LoadResult) -> LoadResult:
+        """This round and another of the same mode and load, pooled: counts and times added, samples joined."""
+        return LoadResult(
+            self.mode,
+            self.concurrency,
+            self.requests + other.requests,
+            self.tokens + other.tokens,
+            self.seconds + other.seconds,
+            self.ttfts + other.ttfts,
+            self.inter_token + other.inter_token,
+            self.step_seconds + other.step_seconds,
+            self.graph_seconds + other.graph_seconds,
+            self.widths + other.widths,
+            self.outputs,
+            self.rounds_agree and other.rounds_agree and self.outputs == other.outputs,
+        )
 
     def summary(self) -> dict[str, Any]:
         host = [s - g for s, g in zip(self.step_seconds, self.graph_seconds, strict=True)]
@@ -112,19 +132,27 @@ def run_load(
     return result
 
 
-def load_table(engine: GraphEngine, prompts: list[list[int]], max_tokens: int, levels: list[int]) -> list[dict[str, Any]]:
-    """Every mode at every concurrency level (max(C, prompts) requests each), in one process;
-    each row also says whether its outputs equal plain decoding's and its tok/s over the other two modes'."""
+def load_table(
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, levels: list[int], rounds: int = 2
+) -> list[dict[str, Any]]:
+    """Every mode at every concurrency level (max(C, prompts) requests per round), in one process, in `rounds`
+    rounds of alternating order; each row also says whether its outputs equal plain decoding's (in every round) and
+    its tok/s over the other two modes'."""
     rows = []
     for concurrency in levels:
         if concurrency > engine.pool.slots:
             raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.pool.slots} slots: load it with more")
         requests = max(concurrency, len(prompts))
-        results = {mode: run_load(engine, prompts, max_tokens, concurrency, requests, mode) for mode in MODES}
+        results: dict[str, LoadResult] = {}
+        for number in range(rounds):
+            for mode in MODES if number % 2 == 0 else MODES[::-1]:
+                result = run_load(engine, prompts, max_tokens, concurrency, requests, mode)
+                results[mode] = results[mode].merged(result) if mode in results else result
         plain = results["plain"]
-        for mode, result in results.items():
+        for mode in MODES:
+            result = results[mode]
             row = result.summary()
-            row["identical_to_plain"] = result.outputs == plain.outputs
+            row["identical_to_plain"] = result.outputs == plain.outputs and result.rounds_agree and plain.rounds_agree
             row["over_plain"] = row["tok_s"] / plain.summary()["tok_s"]
             row["over_one_at_a_time"] = row["tok_s"] / results["one-at-a-time"].summary()["tok_s"]
             rows.append(row)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from dflash_trt.runtime import load_bench
 from dflash_trt.runtime.bench import main as dflash_bench
+from dflash_trt.runtime.load_bench import LoadResult
 
 
 def _prompts_file(path: Path) -> Path:
@@ -58,9 +61,48 @@ def test_bench_verifies_as_served_by_default(tiny_repo: Path, tmp_path: Path) ->
     assert results["dflash_step_over_plain_step"] == pytest.approx(ratio)
 
 
+def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: Path, tmp_path: Path) -> None:
+    """`--concurrency`: DFlash batched, one at a time and plain batched on one engine, every output equal to plain
+    decoding's in every round; each row's ratios are over the same level's other modes."""
+    out = tmp_path / "load.json"
+    command = ["--repo", str(tiny_repo), "--dataset", str(_prompts_file(tmp_path / "prompts.jsonl")), "--num-prompts", "3",
+               "--max-tokens", "24", "--concurrency", "1,2", "--rounds", "2", "--json", str(out)]  # fmt: skip
+    assert dflash_bench(command) == 0
+    results = json.loads(out.read_text())
+    assert results["settings"]["rounds"] == 2
+    rows = {(row["concurrency"], row["mode"]): row for row in results["rows"]}
+    assert set(rows) == {(c, m) for c in (1, 2) for m in ("dflash", "one-at-a-time", "plain")}
+    assert all(row["identical_to_plain"] for row in rows.values())
+    for c in (1, 2):
+        plain, dflash = rows[(c, "plain")], rows[(c, "dflash")]
+        assert plain["over_plain"] == 1.0 and plain["mean_verify_width"] == 1.0
+        assert dflash["over_plain"] == pytest.approx(dflash["tok_s"] / plain["tok_s"])
+        assert rows[(c, "one-at-a-time")]["over_one_at_a_time"] == 1.0
+
+
+def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1 runs A B C, round 2 C B A; a mode's rounds are pooled (tokens and seconds added), and a mode whose
+    rounds disagree is not reported identical to plain."""
+    order: list[str] = []
+
+    def fake_run(engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, mode: str) -> LoadResult:
+        order.append(mode)
+        flaky = mode == "one-at-a-time" and len(order) > 3
+        return LoadResult(mode, concurrency, requests, 100, 2.0 if mode == "dflash" else 1.0, outputs={0: [2 if flaky else 1]})
+
+    monkeypatch.setattr(load_bench, "run_load", fake_run)
+    engine = SimpleNamespace(pool=SimpleNamespace(slots=4))
+    rows = load_bench.load_table(engine, [[1, 2]], 8, [4], rounds=2)  # type: ignore[arg-type]
+    assert order == ["dflash", "one-at-a-time", "plain", "plain", "one-at-a-time", "dflash"]
+    by_mode = {row["mode"]: row for row in rows}
+    assert by_mode["dflash"]["tok_s"] == 50.0 and by_mode["plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
+    assert by_mode["dflash"]["identical_to_plain"] and not by_mode["one-at-a-time"]["identical_to_plain"]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        (["--rounds", "0"], "--rounds 0: run at least one round"),
         (["--block-size", "8"], "this engine was built with block size 16; rebuild with dflash-build --block-size 8"),
         (["--dataset", "no-such-file.jsonl"], "is neither builtin, humaneval, mt-bench nor an existing JSON-lines file"),
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),

@@ -238,23 +238,23 @@ class AdaptiveVerify:
         drafts = engine.block_size - 1
         start = min(context, engine.max_seq_len // 2)
         for k in range(1, engine.block_size):
-            self._calibrated("step", 1, k + 1, k, _time_call(engine, "step", 1, k + 1, k, start))
+            self._calibrated("step", 1, k + 1, k, time_call(engine, "step", 1, k + 1, k, start))
         batch = 1
         while batch <= engine.pool.free_slots and batch <= max_tokens:
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
-                    self._calibrated("verify", batch, width, 0, _time_call(engine, "verify", batch, width, drafts, start))
+                    self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
             if batch * engine.block_size <= max_tokens:
-                self._calibrated("step", batch, 1, drafts, _time_call(engine, "step", batch, 1, drafts, start))
+                self._calibrated("step", batch, 1, drafts, time_call(engine, "step", batch, 1, drafts, start))
             batch *= 2
 
     def _calibrated(self, graph: str, batch: int, width: int, drafted: int, seconds: float) -> None:
-        """A timed call of a shape that has run before (`_time_call` warms it up): its cost as it is."""
+        """A timed call of a shape that has run before (`time_call` warms it up): its cost as it is."""
         self.shapes_run.add((graph, batch, width, drafted))
         self._record_cost(graph, batch, width, seconds, drafted)
 
 
-def _time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 3) -> float:
+def time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 3) -> float:
     """Seconds of one call on throw-away rows of the first free slots at positions `start`.. (stale rows: nothing is
     kept, and attention over them costs what it costs over real ones)."""
     held = [engine.pool.acquire() for _ in range(batch)]

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.scheduler import _time_call
+from dflash_trt.runtime.scheduler import time_call
 
 
 def main() -> None:
@@ -31,9 +31,9 @@ def main() -> None:
     engine, _ = load_engine(args.repo, args.threads, max(batches))
     print("batch  decode ms  verify ms  verify/decode  step k=1  step k=2  step k=15  (ms; step/decode)")
     for batch in batches:
-        decode = _time_call(engine, "decode", batch, 1, 1, args.context, args.repeats)
-        verify = _time_call(engine, "verify", batch, 1, 1, args.context, args.repeats)
-        steps = [_time_call(engine, "step", batch, k + 1, k, args.context, args.repeats) for k in (1, 2, 15)]
+        decode = time_call(engine, "decode", batch, 1, 1, args.context, args.repeats)
+        verify = time_call(engine, "verify", batch, 1, 1, args.context, args.repeats)
+        steps = [time_call(engine, "step", batch, k + 1, k, args.context, args.repeats) for k in (1, 2, 15)]
         cells = "  ".join(f"{s * 1e3:6.1f} ({s / decode:.2f}x)" for s in steps)
         print(f"{batch:>5}  {decode * 1e3:9.1f}  {verify * 1e3:9.1f}  {verify / decode:13.3f}  {cells}", flush=True)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,7 +20,8 @@ from dflash_trt.builder.checkpoints import (
     skipped_weights,
 )
 from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
-from dflash_trt.builder.export import export_engines_onnx
+from dflash_trt.builder.export import export_engines_onnx, package_exported
+from dflash_trt.builder.export_cache import ExportCache, cached_export, key_record
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
@@ -41,6 +44,7 @@ from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 2048
+EXPORT_CACHE_ENV = "DFLASH_TRT_EXPORT_CACHE"  # the default of --export-cache
 
 
 def choose_backend(requested: str) -> str:
@@ -102,6 +106,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
     parser.add_argument("--output", type=Path, help="model repository directory to write")
     parser.add_argument("--force", action="store_true", help="replace --output if it exists")
+    parser.add_argument(
+        "--export-cache",
+        type=Path,
+        default=os.environ.get(EXPORT_CACHE_ENV) or None,
+        metavar="DIR",
+        help="keep the float ONNX graphs here and reuse them when the same checkpoints, block size, --max-seq-len and "
+        "dtype are built again by this version (to try --quantize modes or another --max-batch-size without tracing "
+        f"again); default: ${EXPORT_CACHE_ENV}, else no cache",
+    )
     parser.add_argument(
         "--plan",
         action="store_true",
@@ -182,6 +195,8 @@ def build(args: argparse.Namespace) -> Path | None:
         "apply_chat_template": "false" if args.no_chat_template else "true",
         "max_batch_size": str(spec.max_batch_size),
     }
+    print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
+    hashes = {"target": checkpoint_hashes(target_dir), "drafter": checkpoint_hashes(drafter_dir)}
     with staged_output(args.output, args.force) as repo:
         write_templates(repo, values)
         copy_tokenizer(target_dir, repo)
@@ -193,11 +208,16 @@ def build(args: argparse.Namespace) -> Path | None:
             paths = []
         else:
             graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
-            paths = export_engines_onnx(graphs, spec, engine_dir, quantization, drafter_quantization)
+            modes = (quantization, drafter_quantization)
+            if args.export_cache is None:
+                paths = export_engines_onnx(graphs, spec, engine_dir, *modes)
+            else:  # the float graphs through the cache, then quantized and packaged from there
+                record = key_record(spec, hashes["target"], hashes["drafter"])
+                exported = cached_export(ExportCache(args.export_cache), record, partial(export_engines_onnx, graphs, spec))
+                paths = package_exported(exported, engine_dir, *modes)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)
-        print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
         write_manifest(repo, {
             "backend": backend,
             "device": SERVABLE.get(backend, "cuda"),
@@ -206,9 +226,9 @@ def build(args: argparse.Namespace) -> Path | None:
             "quantization": manifest_record(quantization, drafter_quantization),
             "tap_layer_ids": list(drafter.config.target_layer_ids),
             "eos_token_ids": list(target.config.eos_token_ids),
-            "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": checkpoint_hashes(target_dir),
+            "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": hashes["target"],
                        "not_built": skipped_weights(target_dir)},
-            "drafter": {"source": str(drafter_dir), "sha256": checkpoint_hashes(drafter_dir)},
+            "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"]},
         })  # fmt: skip
     return args.output
 

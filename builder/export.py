@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import sys
 import time
 import warnings
@@ -190,22 +191,69 @@ def export_engines_onnx(
     """Export every graph of GRAPH_NAMES into `directory` (which must exist), the target's linear layers quantized
     as `quantization` says and the drafter's as `drafter_quantization` (default: the same); returns the graph
     paths."""
-    say = log or (lambda message: print(message, file=sys.stderr))
+    say = log or _stderr
+
+    def traced(name: str) -> ir.Model:
+        began = time.perf_counter()
+        say(f"[dflash-build] exporting the {name} graph to ONNX ...")
+        model = export_graph(graphs, spec, name)
+        say(f"[dflash-build]   {name}: {len(model.graph)} nodes in {time.perf_counter() - began:.1f} s")
+        return model
+
+    return write_engines(traced, directory, quantization, drafter_quantization, say)
+
+
+def package_exported(
+    source: Path,
+    directory: Path,
+    quantization: QuantizationMode = MODES["none"],
+    drafter_quantization: QuantizationMode | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """The float graphs an earlier export wrote into `source` (the export cache), quantized as asked and written
+    into `directory` with their own weights.bin, as `export_engines_onnx` would have written them. Float graphs
+    are copied: the same bytes an export writes (not hard links: onnx refuses external data with several)."""
+    if quantization.bits or (drafter_quantization and drafter_quantization.bits):
+        return write_engines(lambda name: ir.load(source / f"{name}.onnx"), directory, quantization, drafter_quantization, log)
+    for name in (*[f"{graph}.onnx" for graph in GRAPH_NAMES], WEIGHTS_FILE):
+        shutil.copyfile(source / name, directory / name)
+    return [directory / f"{name}.onnx" for name in GRAPH_NAMES]
+
+
+def write_engines(
+    graph: Callable[[str], ir.Model],
+    directory: Path,
+    quantization: QuantizationMode,
+    drafter_quantization: QuantizationMode | None,
+    log: Callable[[str], None] | None,
+) -> list[Path]:
+    """Each graph of GRAPH_NAMES as `graph(name)` gives it, quantized, its weights placed in WEIGHTS_FILE."""
+    say = log or _stderr
     drafter_mode = drafter_quantization or quantization
     paths = []
     with open(directory / WEIGHTS_FILE, "wb") as blob:
         weights = SharedWeights(blob, directory)
         for name in GRAPH_NAMES:
-            began = time.perf_counter()
-            say(f"[dflash-build] exporting the {name} graph to ONNX ...")
-            model = export_graph(graphs, spec, name)
-            say(f"[dflash-build]   {name}: {len(model.graph)} nodes in {time.perf_counter() - began:.1f} s")
+            model = graph(name)
             if quantization.bits or drafter_mode.bits:
                 began = time.perf_counter()
-                model = ir.serde.deserialize_model(quantize_graph(to_proto(model), quantization, drafter_mode))
+                model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode))
                 modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
                 say(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {time.perf_counter() - began:.1f} s")
             weights.externalize(model)
             paths.append(directory / f"{name}.onnx")
             onnx.save(to_proto(model), paths[-1])
     return paths
+
+
+def with_weights(model: ir.Model) -> onnx.ModelProto:
+    """The model as a ModelProto whose initializers hold their data (read from WEIGHTS_FILE where the model was
+    loaded from a written export): what the quantizer reads."""
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
+    return to_proto(model)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels run on CPU tensors (read when triton is imported)
 
 from dflash_trt.builder.checkpoints import parse_target_config, read_config_json  # noqa: E402
+from dflash_trt.builder.cli import EXPORT_CACHE_ENV  # noqa: E402
 from dflash_trt.builder.drafter_init import drafter_config_dict, init_drafter, save_drafter  # noqa: E402
 from dflash_trt.runtime.serve import Ports, dead_backend_stubs, free_port, start_server, stop_server, wait_ready  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config  # noqa: E402
@@ -83,6 +84,16 @@ def write_tiny_drafter(target_dir: Path, output_dir: Path, seed: int = 1, **over
     network = init_drafter(config, seed=seed, std=0.08)
     save_drafter(network, config, output_dir)
     return output_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def export_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every build of the run keeps its float graphs here (dflash-build --export-cache), so builds of one pair and
+    options that differ only after the export (quantization, batch size) trace once. tests/test_build.py builds
+    without it and checks that the cache gives the bytes an export writes."""
+    path = tmp_path_factory.mktemp("export-cache")
+    os.environ[EXPORT_CACHE_ENV] = str(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
 import pytest
 import torch
+from dflash_trt.builder.cli import EXPORT_CACHE_ENV
 from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.export import WEIGHTS_FILE
+from dflash_trt.builder.export_cache import key_record
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import MANIFEST, is_complete_repository
@@ -45,12 +49,19 @@ def _build_command(target: Path, drafter: Path, output: Path) -> list[str]:
             "--output", str(output), "--max-seq-len", "256", "--backend", "onnxruntime"]  # fmt: skip
 
 
+def _uncached_environment() -> dict[str, str]:
+    """The build's environment without the run's export cache (conftest.py): these builds trace for real."""
+    return {name: value for name, value in os.environ.items() if name != EXPORT_CACHE_ENV}
+
+
 @pytest.fixture(scope="module")
 def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Kill a build in the middle of its ONNX export, look at what it left, then build again to completion."""
+    """Kill a build in the middle of its ONNX export, look at what it left, then build again to completion (both
+    without the export cache)."""
     output = tmp_path_factory.mktemp("build") / "repo"
     command = _build_command(tiny_targets["qwen3"], trained_drafter, output)
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    environment = _uncached_environment()
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**environment, "PYTHONUNBUFFERED": "1"})
     assert process.stderr is not None
     for line in process.stderr:
         if "exporting the step graph" in line:
@@ -60,8 +71,9 @@ def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path,
     process.wait(timeout=30)
     left_behind = sorted(p.name for p in output.parent.iterdir())
     staging_manifests = list(output.parent.glob(".repo.partial-*/" + MANIFEST))
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)
     assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "export cache" not in completed.stderr
     return output, left_behind, staging_manifests
 
 
@@ -86,6 +98,39 @@ def test_repository_layout(interrupted_then_built) -> None:
     engine, manifest = load_engine(output)
     assert manifest["backend"] == "onnxruntime" and manifest["engine"]["block_size"] == 16
     assert set(manifest["target"]["sha256"]) >= {"config.json", "model.safetensors"}
+
+
+def _engine_bytes(repo: Path) -> dict[str, bytes]:
+    engine_dir = repo / "dflash" / "1" / "engine"
+    return {name: (engine_dir / name).read_bytes() for name in (*[f"{g}.onnx" for g in GRAPH_NAMES], WEIGHTS_FILE)}
+
+
+def test_export_cache_gives_the_bytes_an_export_writes(
+    interrupted_then_built, tiny_repo: Path, tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path: Path, capsys
+) -> None:
+    """tiny_repo was built through the run's export cache (a miss: traced into the cache, then copied out); a build
+    of the same pair with another batch size and thread count is a hit and traces nothing. Both hold the bytes of the
+    uncached build of the same options."""
+    exported = _engine_bytes(interrupted_then_built[0])
+    assert _engine_bytes(tiny_repo) == exported
+    command = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--output", str(tmp_path / "r"),
+               "--max-seq-len", "256", "--max-batch-size", "2", "--threads", "1"]  # fmt: skip
+    assert dflash_build(command) == 0
+    log = capsys.readouterr().err
+    assert "export cache hit" in log and "exporting the" not in log
+    assert _engine_bytes(tmp_path / "r") == exported
+    assert load_engine(tmp_path / "r")[1]["engine"]["max_batch_size"] == 2
+
+
+def test_export_cache_key_holds_what_decides_the_graphs(tiny_repo: Path) -> None:
+    spec = EngineSpec.from_json(load_engine(tiny_repo)[1]["engine"])
+    hashes = {"config.json": "a", "model.safetensors": "b"}
+    key = key_record(spec, hashes, hashes)
+    assert key_record(replace(spec, max_batch_size=64), hashes, hashes) == key, "the slot axis is dynamic in the graphs"
+    assert key_record(replace(spec, max_seq_len=128), hashes, hashes) != key
+    assert key_record(replace(spec, dtype="float16"), hashes, hashes) != key
+    assert key_record(spec, hashes, {**hashes, "model.safetensors": "c"}) != key, "a retrained drafter"
+    assert set(key["libraries"]) == {"torch", "onnxscript", "onnx-ir", "onnx"} and len(key["sources_sha256"]) == 64
 
 
 def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_built) -> None:

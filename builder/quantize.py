@@ -11,10 +11,10 @@ Policy (the same for the target's and the drafter's linear layers unless `--quan
   The matmul kernel quantizes its input rows to int8 per block on the fly (accuracy level 4: int8 dot products,
   float32 accumulation of the block sums), row by row, so a token's result does not depend on the other rows of
   its call; with the target's keys in position order (networks.TargetAttention) DFlash leaves bitwise what plain
-  decoding leaves on the same quantized engine. That holds where ONNX Runtime's kernels are row-independent, which
+  decoding leaves on the same quantized engine. That needs ONNX Runtime's kernels to be row-independent, which
   `rows_independent` checks on the CPU at hand: 8 bits on every CPU seen here; 4 bits on AVX-512 VNNI (AMD EPYC
-  Zen 4) but not on AVX2 (Zen 3), whose one-row 4-bit kernel rounds differently (~1e-6) from the many-row one,
-  so there DFlash on an int4 engine can leave plain decoding's tokens at a near-tie.
+  Zen 4) for any number of rows, on AVX2 (Zen 3) from two rows up: its one-row 4-bit kernel rounds differently
+  (~1e-6). Where `pad_single_rows` says so, the ONNX Runtime runner runs one-row calls as two identical rows.
 - `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
   `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
   the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
@@ -22,6 +22,7 @@ Policy (the same for the target's and the drafter's linear layers unless `--quan
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -169,9 +170,11 @@ def quantize_graph(
     return model
 
 
-def rows_independent(mode: QuantizationMode, rows: int = 16) -> bool:
-    """Whether ONNX Runtime's MatMulNBits at `mode`'s bits gives a row the same bits alone as in a call of `rows`
-    rows, on this CPU (a 576 x 1536 random layer, the demo target's MLP shape)."""
+@functools.cache
+def rows_independent(mode: QuantizationMode, rows: int = 16, alone: int = 1) -> bool:
+    """Whether ONNX Runtime's MatMulNBits at `mode`'s bits gives the first `alone` rows of a call of `rows` rows
+    the same bits when they are the whole call, on this CPU (a 576 x 1536 random layer, the demo target's MLP
+    shape)."""
     import numpy as np
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -189,7 +192,17 @@ def rows_independent(mode: QuantizationMode, rows: int = 16) -> bool:
     model = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), mode)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = generator.standard_normal((rows, inputs)).astype(np.float32)
-    return bool(np.array_equal(session.run(None, {"x": x[:1]})[0][0], session.run(None, {"x": x})[0][0]))
+    return bool(np.array_equal(session.run(None, {"x": x[:alone]})[0], session.run(None, {"x": x})[0][:alone]))
+
+
+def pad_single_rows(mode: QuantizationMode) -> bool:
+    """Whether a target quantized as `mode` needs its one-row calls run as two identical rows on this CPU: its
+    kernels (or the 8-bit LM head's) give a lone row other bits than a row among others, and two rows already get
+    the many-row bits (AVX2's one-row 4-bit kernel). Then a token's bits do not depend on its call's size."""
+    if not mode.bits:
+        return False
+    kernels = {mode, MODES["int8"] if LM_HEAD_BITS == 8 else mode}
+    return any(not rows_independent(m) and rows_independent(m, alone=2) for m in kernels)
 
 
 def _matmul_nbits_quantizer() -> Any:

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": manifest["backend"],
         "quantization": quantization["mode"],
         "drafter_quantization": quantization.get("drafter", quantization)["mode"],
+        "single_rows_padded": getattr(engine.runner, "pad_single_rows", False),  # one-row calls run as two (AVX2 int4)
         "engine_bytes": engine_bytes(args.repo),
         "engine_threads": threads,
         "dataset": args.dataset,

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_outputs
+from dflash_trt.runtime.graph_io import GRAPH_NAMES, TensorSpec, graph_inputs, graph_outputs
 from dflash_trt.runtime.states import StateSpec
 
 NUMPY_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
@@ -48,7 +48,17 @@ class SessionSettings:
 
 
 class OnnxRuntimeRunner:
-    def __init__(self, directory: Path, states: tuple[StateSpec, ...], settings: SessionSettings = SessionSettings()) -> None:
+    """`pad_single_rows`: run a call that computes one target row (batch 1, one token) as two identical rows and
+    return the first: for kernels whose one-row path rounds differently from their many-row one (see
+    builder.quantize.pad_single_rows), so that a token's bits never depend on how many rows its call had."""
+
+    def __init__(
+        self,
+        directory: Path,
+        states: tuple[StateSpec, ...],
+        settings: SessionSettings = SessionSettings(),
+        pad_single_rows: bool = False,
+    ) -> None:
         # ONNX Runtime owns the cores; the host's torch work is small bookkeeping (row writes, slices), and a torch
         # thread pool next to ORT's spinning one oversubscribes the cores.
         torch.set_num_threads(1)
@@ -58,8 +68,22 @@ class OnnxRuntimeRunner:
             for name in GRAPH_NAMES
         }
         self.output_names = {name: [t.name for t in graph_outputs(name, states)] for name in GRAPH_NAMES}
+        self.pad_single_rows = pad_single_rows
+        # where each graph's inputs and outputs have their batch axis (None: no batch axis)
+        self.batch_axes = {
+            name: {t.name: _batch_axis(t) for t in (*graph_inputs(name, states), *graph_outputs(name, states))}
+            for name in GRAPH_NAMES
+        }
 
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens = inputs["input_ids" if graph == "prefill" else "block"]  # [B, P or V]
+        if not (self.pad_single_rows and tokens.shape == (1, 1)):
+            return self._run(graph, inputs)
+        axes = self.batch_axes[graph]
+        doubled = {name: _repeat_twice(tensor, axes[name]) for name, tensor in inputs.items()}  # the same row twice
+        return {name: _first_row(tensor, axes[name]) for name, tensor in self._run(graph, doubled).items()}
+
+    def _run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         session = self.sessions[graph]
         binding = session.io_binding()
         held = []  # contiguous copies of non-contiguous inputs must outlive the run
@@ -75,3 +99,15 @@ class OnnxRuntimeRunner:
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         return {name: torch.from_numpy(value.numpy()) for name, value in zip(self.output_names[graph], outputs, strict=True)}
+
+
+def _batch_axis(tensor: TensorSpec) -> int | None:
+    return tensor.axes.index("batch") if "batch" in tensor.axes else None
+
+
+def _repeat_twice(tensor: torch.Tensor, axis: int | None) -> torch.Tensor:
+    return tensor if axis is None else torch.cat([tensor, tensor], dim=axis)
+
+
+def _first_row(tensor: torch.Tensor, axis: int | None) -> torch.Tensor:
+    return tensor if axis is None else tensor.narrow(axis, 0, 1)

@@ -81,8 +81,15 @@ def load_engine(
     if manifest["backend"] == "tensorrt":
         gpu = torch.device("cuda")
         return GraphEngine(TensorRTRunner(engine_dir, spec, gpu), spec, max_batch, gpu), manifest
-    runner = OnnxRuntimeRunner(engine_dir, spec.states, session_settings(manifest, threads))
+    runner = OnnxRuntimeRunner(engine_dir, spec.states, session_settings(manifest, threads), single_rows_padded(manifest))
     return GraphEngine(runner, spec, max_batch), manifest
+
+
+def single_rows_padded(manifest: dict[str, Any]) -> bool:
+    """Whether this CPU runs the engine's quantized target with one-row calls padded to two (see the runner)."""
+    from dflash_trt.builder.quantize import MODES, pad_single_rows
+
+    return pad_single_rows(MODES[manifest.get("quantization", {}).get("mode", "none")])
 
 
 def session_settings(manifest: dict[str, Any], threads: int | None = None) -> SessionSettings:

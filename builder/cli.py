@@ -20,11 +20,12 @@ from dflash_trt.builder.checkpoints import (
     skipped_weights,
 )
 from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
-from dflash_trt.builder.export import export_engines_onnx, package_exported
+from dflash_trt.builder.export import package_exported
 from dflash_trt.builder.export_cache import ExportCache, cached_export, key_record
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
+from dflash_trt.builder.parallel_export import export_engines_onnx
 from dflash_trt.builder.plan import describe, memory_plan, parse_bytes
 from dflash_trt.builder.quantize import check_mode, manifest_record
 from dflash_trt.builder.repository import (

@@ -3,6 +3,7 @@
 The graphs share every weight: tensors are stored once, content-addressed, in `weights.bin` beside the graphs, and
 each graph's initializers point into it (ONNX external data). Each graph's weights are written as soon as it is
 traced, straight from the network's tensors: the build holds the network's weights once, not a copy per graph.
+The graphs are traced in parallel worker processes (parallel_export.py); writing them out happens here.
 """
 
 from __future__ import annotations
@@ -133,13 +134,23 @@ def fold_weight_transposes(model: ir.Model) -> None:
         perm = node.attributes["perm"].as_ints() if "perm" in node.attributes else list(range(len(weight.shape)))[::-1]
         output = node.outputs[0]
         folded = ir.Value(name=f"{output.name}_folded", type=output.type, shape=output.shape)
-        shape = ir.Shape([weight.shape.numpy()[axis] for axis in perm])
-        folded.const_value = ir.LazyTensor(partial(_transposed, weight, perm), weight.dtype, shape, name=folded.name)
+        folded.const_value = TransposedWeight(weight, perm, folded.name)
         ir.convenience.replace_all_uses_with(output, folded)
         graph.remove(node, safe=True)
         graph.register_initializer(folded)
         if not source.uses() and not source.is_graph_output():
             del graph.initializers[source.name]  # type: ignore[arg-type]
+
+
+class TransposedWeight(ir.LazyTensor):
+    """`weight` transposed by `perm`, computed when it is written out."""
+
+    __slots__ = ("weight", "perm")
+
+    def __init__(self, weight: ir.TensorProtocol, perm: Sequence[int], name: str | None) -> None:
+        self.weight, self.perm = weight, tuple(perm)
+        shape = ir.Shape([weight.shape.numpy()[axis] for axis in self.perm])
+        super().__init__(partial(_transposed, weight, self.perm), weight.dtype, shape, name=name)
 
 
 def _transposed(weight: ir.TensorProtocol, perm: Sequence[int]) -> ir.TensorProtocol:
@@ -178,29 +189,6 @@ class SharedWeights:
                 name=name,
                 base_dir=self.directory,
             )
-
-
-def export_engines_onnx(
-    graphs: DFlashGraphs,
-    spec: EngineSpec,
-    directory: Path,
-    quantization: QuantizationMode = MODES["none"],
-    drafter_quantization: QuantizationMode | None = None,
-    log: Callable[[str], None] | None = None,
-) -> list[Path]:
-    """Export every graph of GRAPH_NAMES into `directory` (which must exist), the target's linear layers quantized
-    as `quantization` says and the drafter's as `drafter_quantization` (default: the same); returns the graph
-    paths."""
-    say = log or _stderr
-
-    def traced(name: str) -> ir.Model:
-        began = time.perf_counter()
-        say(f"[dflash-build] exporting the {name} graph to ONNX ...")
-        model = export_graph(graphs, spec, name)
-        say(f"[dflash-build]   {name}: {len(model.graph)} nodes in {time.perf_counter() - began:.1f} s")
-        return model
-
-    return write_engines(traced, directory, quantization, drafter_quantization, say)
 
 
 def package_exported(

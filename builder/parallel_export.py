@@ -1,0 +1,143 @@
+"""Tracing the graphs at once: one forked worker process per graph, up to the cores this process may use.
+
+Tracing is single-threaded Python (torch.export, then the ONNX translation and its rewrites), about a minute per
+graph for the tests' tiny pair and 2.5 minutes for SmolLM2-135M on this 2-core CPU, and the four graphs do not
+depend on each other. The workers are forked after the networks are loaded, so they trace the parent's own modules
+without a copy of the weights (tracing reads shapes, not weight data; the pages stay shared), and each sends back
+its graph without the networks' parameters: an initializer that is a parameter (or a parameter's transpose, see
+`export.TransposedWeight`) travels as its address, shape and dtype, which name the same tensor in the parent, and
+the parent puts its own tensor back. Everything else (the small constants the exporter made) travels in the graph.
+A worker dies with the build (PR_SET_PDEATHSIG), so a killed build leaves no tracer running.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import torch
+from dflash_trt.builder.export import TransposedWeight, export_graph, write_engines
+from dflash_trt.builder.graphs import DFlashGraphs
+from dflash_trt.builder.quantize import MODES, QuantizationMode
+from dflash_trt.runtime.engine import EngineSpec
+from dflash_trt.runtime.graph_io import GRAPH_NAMES
+from onnx_ir.tensor_adapters import TorchTensor
+
+ParameterKey = tuple[int, tuple[int, ...], str]  # (address, shape, dtype): one tensor of the networks
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ParameterRef:
+    """An initializer that is a parameter of the networks, or its transpose (`perm`)."""
+
+    key: ParameterKey
+    perm: tuple[int, ...] | None
+
+
+def parameter_key(tensor: torch.Tensor) -> ParameterKey:
+    return tensor.data_ptr(), tuple(tensor.shape), str(tensor.dtype)
+
+
+def parameters_by_key(graphs: DFlashGraphs) -> dict[ParameterKey, torch.Tensor]:
+    return {parameter_key(t): t for t in graphs.state_dict(keep_vars=True).values()}
+
+
+def detach_parameters(model: ir.Model, parameters: dict[ParameterKey, torch.Tensor]) -> dict[str, ParameterRef]:
+    """Replace each initializer that is (the transpose of) one of `parameters` by a placeholder without data, in
+    place; returns what each placeholder stands for."""
+    refs = {}
+    for name, value in model.graph.initializers.items():
+        tensor, perm = value.const_value, None
+        if isinstance(tensor, TransposedWeight):
+            tensor, perm = tensor.weight, tensor.perm
+        raw = getattr(tensor, "raw", None)
+        if tensor is None or not isinstance(raw, torch.Tensor) or parameter_key(raw) not in parameters:
+            continue
+        refs[name] = ParameterRef(parameter_key(raw), perm)
+        shape = ir.Shape(value.const_value.shape.numpy())  # type: ignore[union-attr]
+        value.const_value = ir.ExternalTensor("parameters", 0, 0, tensor.dtype, shape=shape, name=name)  # no data
+    return refs
+
+
+def attach_parameters(model: ir.Model, refs: dict[str, ParameterRef], parameters: dict[ParameterKey, torch.Tensor]) -> ir.Model:
+    """Put the parent's tensors back where `detach_parameters` left placeholders (no copy: written when saved)."""
+    for name, ref in refs.items():
+        weight = TorchTensor(parameters[ref.key], name=name)
+        model.graph.initializers[name].const_value = weight if ref.perm is None else TransposedWeight(weight, ref.perm, name)
+    return model
+
+
+_TRACING: tuple[DFlashGraphs, EngineSpec, Path] | None = None  # what forked workers trace, and where they write
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    torch.set_num_threads(1)
+
+
+def _trace(name: str) -> tuple[Path, dict[str, ParameterRef]]:
+    """In a worker: trace graph `name`, write it without its parameters."""
+    assert _TRACING is not None, "workers are forked from traced_in_parallel"
+    graphs, spec, scratch = _TRACING
+    began = time.perf_counter()
+    print(f"[dflash-build] exporting the {name} graph to ONNX ...", file=sys.stderr, flush=True)
+    model = export_graph(graphs, spec, name)
+    refs = detach_parameters(model, parameters_by_key(graphs))
+    path = scratch / f"{name}.onnx"
+    path.write_bytes(ir.serde.serialize_model(model).SerializeToString())
+    seconds = time.perf_counter() - began
+    print(f"[dflash-build]   {name}: {len(model.graph)} nodes in {seconds:.1f} s", file=sys.stderr, flush=True)
+    return path, refs
+
+
+@contextmanager
+def traced_in_parallel(graphs: DFlashGraphs, spec: EngineSpec, scratch_parent: Path) -> Iterator[Callable[[str], ir.Model]]:
+    """Start tracing every graph of GRAPH_NAMES in worker processes; yield `graph(name)`, which waits for that
+    graph and returns it with the parent's parameters in place."""
+    global _TRACING
+    workers = max(1, min(len(GRAPH_NAMES), len(os.sched_getaffinity(0))))
+    scratch = Path(tempfile.mkdtemp(prefix=".traced-", dir=scratch_parent))
+    parameters = parameters_by_key(graphs)
+    _TRACING = (graphs, spec, scratch)
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_die_with_parent)
+    try:
+        futures: dict[str, Future[tuple[Path, dict[str, ParameterRef]]]] = {n: pool.submit(_trace, n) for n in GRAPH_NAMES}
+
+        def graph(name: str) -> ir.Model:
+            path, refs = futures[name].result()
+            model = ir.serde.deserialize_model(onnx.load(str(path), load_external_data=False))
+            return attach_parameters(model, refs, parameters)
+
+        yield graph
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        _TRACING = None
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def export_engines_onnx(
+    graphs: DFlashGraphs,
+    spec: EngineSpec,
+    directory: Path,
+    quantization: QuantizationMode = MODES["none"],
+    drafter_quantization: QuantizationMode | None = None,
+) -> list[Path]:
+    """Export every graph of GRAPH_NAMES into `directory` (which must exist), traced in parallel, the target's
+    linear layers quantized as `quantization` says and the drafter's as `drafter_quantization` (default: the
+    same); returns the graph paths."""
+    with traced_in_parallel(graphs, spec, directory) as traced:
+        return write_engines(traced, directory, quantization, drafter_quantization, None)

@@ -196,13 +196,12 @@ def package_exported(
     directory: Path,
     quantization: QuantizationMode = MODES["none"],
     drafter_quantization: QuantizationMode | None = None,
-    log: Callable[[str], None] | None = None,
 ) -> list[Path]:
     """The float graphs an earlier export wrote into `source` (the export cache), quantized as asked and written
     into `directory` with their own weights.bin, as `export_engines_onnx` would have written them. Float graphs
     are copied: the same bytes an export writes (not hard links: onnx refuses external data with several)."""
     if quantization.bits or (drafter_quantization and drafter_quantization.bits):
-        return write_engines(lambda name: ir.load(source / f"{name}.onnx"), directory, quantization, drafter_quantization, log)
+        return write_engines(lambda name: ir.load(source / f"{name}.onnx"), directory, quantization, drafter_quantization)
     for name in (*[f"{graph}.onnx" for graph in GRAPH_NAMES], WEIGHTS_FILE):
         shutil.copyfile(source / name, directory / name)
     return [directory / f"{name}.onnx" for name in GRAPH_NAMES]
@@ -213,10 +212,8 @@ def write_engines(
     directory: Path,
     quantization: QuantizationMode,
     drafter_quantization: QuantizationMode | None,
-    log: Callable[[str], None] | None,
 ) -> list[Path]:
     """Each graph of GRAPH_NAMES as `graph(name)` gives it, quantized, its weights placed in WEIGHTS_FILE."""
-    say = log or _stderr
     drafter_mode = drafter_quantization or quantization
     paths = []
     with open(directory / WEIGHTS_FILE, "wb") as blob:
@@ -227,7 +224,8 @@ def write_engines(
                 began = time.perf_counter()
                 model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode))
                 modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
-                say(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {time.perf_counter() - began:.1f} s")
+                seconds = time.perf_counter() - began
+                print(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {seconds:.1f} s", file=sys.stderr)
             weights.externalize(model)
             paths.append(directory / f"{name}.onnx")
             onnx.save(to_proto(model), paths[-1])
@@ -241,7 +239,3 @@ def with_weights(model: ir.Model) -> onnx.ModelProto:
         if isinstance(value.const_value, ir.ExternalTensor):
             value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
     return to_proto(model)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)

@@ -140,4 +140,4 @@ def export_engines_onnx(
     linear layers quantized as `quantization` says and the drafter's as `drafter_quantization` (default: the
     same); returns the graph paths."""
     with traced_in_parallel(graphs, spec, directory) as traced:
-        return write_engines(traced, directory, quantization, drafter_quantization, None)
+        return write_engines(traced, directory, quantization, drafter_quantization)

@@ -200,7 +200,7 @@ def package_exported(
     """The float graphs an earlier export wrote into `source` (the export cache), quantized as asked and written
     into `directory` with their own weights.bin, as `export_engines_onnx` would have written them. Float graphs
     are copied: the same bytes an export writes (not hard links: onnx refuses external data with several)."""
-    if quantization.bits or (drafter_quantization and drafter_quantization.bits):
+    if quantizes(quantization, drafter_quantization):
         return write_engines(lambda name: ir.load(source / f"{name}.onnx"), directory, quantization, drafter_quantization)
     for name in (*[f"{graph}.onnx" for graph in GRAPH_NAMES], WEIGHTS_FILE):
         shutil.copyfile(source / name, directory / name)
@@ -220,7 +220,7 @@ def write_engines(
         weights = SharedWeights(blob, directory)
         for name in GRAPH_NAMES:
             model = graph(name)
-            if quantization.bits or drafter_mode.bits:
+            if quantizes(quantization, drafter_mode):
                 began = time.perf_counter()
                 model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode))
                 modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
@@ -230,6 +230,11 @@ def write_engines(
             paths.append(directory / f"{name}.onnx")
             onnx.save(to_proto(model), paths[-1])
     return paths
+
+
+def quantizes(quantization: QuantizationMode, drafter_quantization: QuantizationMode | None) -> bool:
+    """Whether either side's linear layers are quantized (the drafter's mode defaults to the target's)."""
+    return bool((drafter_quantization or quantization).bits or quantization.bits)
 
 
 def with_weights(model: ir.Model) -> onnx.ModelProto:

@@ -94,16 +94,16 @@ class ExportCache:
             raise
 
 
-def cached_export(
-    cache: ExportCache, record: dict[str, Any], export: Callable[[Path], object], say: Callable[[str], None] | None = None
-) -> Path:
+def cached_export(cache: ExportCache, record: dict[str, Any], export: Callable[[Path], object]) -> Path:
     """The cache entry for `record`, exported into the cache by `export(directory)` first if it is not there."""
-    log = say or (lambda message: print(message, file=sys.stderr))
     found = cache.lookup(record)
     if found is not None:
-        log(f"[dflash-build] export cache hit: {found} (float graphs of an earlier build of this pair and options)")
+        print(
+            f"[dflash-build] export cache hit: {found} (float graphs of an earlier build of this pair and options)",
+            file=sys.stderr,
+        )
         return found
-    log(f"[dflash-build] export cache miss: exporting into {cache.entry(record)}")
+    print(f"[dflash-build] export cache miss: exporting into {cache.entry(record)}", file=sys.stderr)
     with cache.storing(record) as staging:
         export(staging)
     return cache.entry(record)

@@ -61,15 +61,14 @@ def detach_parameters(model: ir.Model, parameters: dict[ParameterKey, torch.Tens
     place; returns what each placeholder stands for."""
     refs = {}
     for name, value in model.graph.initializers.items():
-        tensor, perm = value.const_value, None
-        if isinstance(tensor, TransposedWeight):
-            tensor, perm = tensor.weight, tensor.perm
-        raw = getattr(tensor, "raw", None)
-        if tensor is None or not isinstance(raw, torch.Tensor) or parameter_key(raw) not in parameters:
+        original = value.const_value
+        source, perm = (original.weight, original.perm) if isinstance(original, TransposedWeight) else (original, None)
+        raw = getattr(source, "raw", None)
+        if original is None or not isinstance(raw, torch.Tensor) or parameter_key(raw) not in parameters:
             continue
         refs[name] = ParameterRef(parameter_key(raw), perm)
-        shape = ir.Shape(value.const_value.shape.numpy())  # type: ignore[union-attr]
-        value.const_value = ir.ExternalTensor("parameters", 0, 0, tensor.dtype, shape=shape, name=name)  # no data
+        shape = ir.Shape(original.shape.numpy())
+        value.const_value = ir.ExternalTensor("parameters", 0, 0, original.dtype, shape=shape, name=name)  # no data
     return refs
 
 
@@ -81,10 +80,12 @@ def attach_parameters(model: ir.Model, refs: dict[str, ParameterRef], parameters
     return model
 
 
-_TRACING: tuple[DFlashGraphs, EngineSpec, Path] | None = None  # what forked workers trace, and where they write
+# what forked workers trace, the networks' tensors by key, and where the workers write
+_TRACING: tuple[DFlashGraphs, EngineSpec, dict[ParameterKey, torch.Tensor], Path] | None = None
 
 
-def _die_with_parent() -> None:
+def _start_worker() -> None:
+    """A worker dies with the build and leaves the cores to tracing (one thread each)."""
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     torch.set_num_threads(1)
 
@@ -92,11 +93,11 @@ def _die_with_parent() -> None:
 def _trace(name: str) -> tuple[Path, dict[str, ParameterRef]]:
     """In a worker: trace graph `name`, write it without its parameters."""
     assert _TRACING is not None, "workers are forked from traced_in_parallel"
-    graphs, spec, scratch = _TRACING
+    graphs, spec, parameters, scratch = _TRACING
     began = time.perf_counter()
     print(f"[dflash-build] exporting the {name} graph to ONNX ...", file=sys.stderr, flush=True)
     model = export_graph(graphs, spec, name)
-    refs = detach_parameters(model, parameters_by_key(graphs))
+    refs = detach_parameters(model, parameters)
     path = scratch / f"{name}.onnx"
     path.write_bytes(ir.serde.serialize_model(model).SerializeToString())
     seconds = time.perf_counter() - began
@@ -112,8 +113,8 @@ def traced_in_parallel(graphs: DFlashGraphs, spec: EngineSpec, scratch_parent: P
     workers = max(1, min(len(GRAPH_NAMES), len(os.sched_getaffinity(0))))
     scratch = Path(tempfile.mkdtemp(prefix=".traced-", dir=scratch_parent))
     parameters = parameters_by_key(graphs)
-    _TRACING = (graphs, spec, scratch)
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_die_with_parent)
+    _TRACING = (graphs, spec, parameters, scratch)
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker)
     try:
         futures: dict[str, Future[tuple[Path, dict[str, ParameterRef]]]] = {n: pool.submit(_trace, n) for n in GRAPH_NAMES}
 

@@ -201,8 +201,8 @@ def pad_single_rows(mode: QuantizationMode) -> bool:
     the many-row bits (AVX2's one-row 4-bit kernel). Then a token's bits do not depend on its call's size."""
     if not mode.bits:
         return False
-    kernels = {mode, MODES["int8"] if LM_HEAD_BITS == 8 else mode}
-    return any(not rows_independent(m) and rows_independent(m, alone=2) for m in kernels)
+    head = next(m for m in MODES.values() if m.backend == mode.backend and m.bits == LM_HEAD_BITS)
+    return any(not rows_independent(m) and rows_independent(m, alone=2) for m in {mode, head})
 
 
 def _matmul_nbits_quantizer() -> Any:

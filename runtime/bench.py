@@ -29,7 +29,7 @@ from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
-from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings
+from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, VerifyPolicy
 from transformers import AutoTokenizer
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": manifest["backend"],
         "quantization": quantization["mode"],
         "drafter_quantization": quantization.get("drafter", quantization)["mode"],
-        "single_rows_padded": getattr(engine.runner, "pad_single_rows", False),  # one-row calls run as two (AVX2 int4)
+        "single_rows_padded": single_rows_padded(manifest),  # one-row calls run as two (AVX2 int4)
         "engine_bytes": engine_bytes(args.repo),
         "engine_threads": threads,
         "dataset": args.dataset,

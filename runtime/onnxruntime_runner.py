@@ -76,8 +76,7 @@ class OnnxRuntimeRunner:
         }
 
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        tokens = inputs["input_ids" if graph == "prefill" else "block"]  # [B, P or V]
-        if not (self.pad_single_rows and tokens.shape == (1, 1)):
+        if not self.pad_single_rows or inputs["input_ids" if graph == "prefill" else "block"].shape != (1, 1):  # [B, P or V]
             return self._run(graph, inputs)
         axes = self.batch_axes[graph]
         doubled = {name: _repeat_twice(tensor, axes[name]) for name, tensor in inputs.items()}  # the same row twice

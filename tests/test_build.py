@@ -27,6 +27,7 @@ from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
+from dflash_trt.runtime.serve import child_processes
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import all_nodes
@@ -49,20 +50,6 @@ def _build_command(target: Path, drafter: Path, output: Path) -> list[str]:
             "--output", str(output), "--max-seq-len", "256", "--backend", "onnxruntime"]  # fmt: skip
 
 
-def _processes_with(argument: str) -> list[int]:
-    """Live processes whose command line holds `argument` (a build's forked workers share its command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            arguments = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if argument.encode() in arguments and state != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def _uncached_environment() -> dict[str, str]:
     """The build's environment without the run's export cache (conftest.py): these builds trace for real."""
     return {name: value for name, value in os.environ.items() if name != EXPORT_CACHE_ENV}
@@ -81,10 +68,12 @@ def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path,
         if "exporting the step graph" in line:
             break
     time.sleep(1.0)
+    workers = [pid for pid, _, _ in child_processes(process.pid)]
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     time.sleep(1.0)
-    assert _processes_with(str(output)) == [], "the build's tracing workers die with it"
+    assert workers, "the graphs are traced in worker processes"
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == [], "the build's tracing workers die with it"
     left_behind = sorted(p.name for p in output.parent.iterdir())
     staging_manifests = list(output.parent.glob(".repo.partial-*/" + MANIFEST))
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)

@@ -55,6 +55,23 @@ def _uncached_environment() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name != EXPORT_CACHE_ENV}
 
 
+def _still_running(pids: list[int], patience: float) -> list[int]:
+    """Those of `pids` still running after waiting up to `patience` seconds for them to exit. A zombie counts as
+    exited: an orphan is reparented to pid 1, which on some machines (this CI's VM init) never reaps it."""
+
+    def running(pid: int) -> bool:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2] not in "ZX"  # stat field 3: the state letter
+
+    deadline = time.monotonic() + patience
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
 @pytest.fixture(scope="module")
 def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path, tmp_path_factory: pytest.TempPathFactory):
     """Kill a build in the middle of its ONNX export, look at what it left, then build again to completion (both
@@ -71,9 +88,8 @@ def interrupted_then_built(tiny_targets: dict[str, Path], trained_drafter: Path,
     workers = [pid for pid, _, _ in child_processes(process.pid)]
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
-    time.sleep(1.0)
     assert workers, "the graphs are traced in worker processes"
-    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == [], "the build's tracing workers die with it"
+    assert _still_running(workers, patience=20.0) == [], "the build's tracing workers die with it"
     left_behind = sorted(p.name for p in output.parent.iterdir())
     staging_manifests = list(output.parent.glob(".repo.partial-*/" + MANIFEST))
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900, env=environment)

@@ -16,13 +16,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text")
+SUPPORTED_TARGET_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 NOT_YET_SUPPORTED = {
-    "qwen3_5_moe": "its mixture-of-experts MLP (router, experts and shared expert) is not built yet; its Gated DeltaNet "
-    "and attention layers are those of qwen3_5",
     "qwen3_next": "its fused in_proj_qkvz/in_proj_ba projections and mixture-of-experts MLP are not built yet",
 }
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention
+NOT_BUILT_HERE = {  # read (plans, --backend trtllm), not built into this toolkit's own engines
+    "qwen3_5_moe": "its mixture-of-experts MLP (router, experts and shared expert) is not built yet; its Gated DeltaNet "
+    "and attention layers are those of qwen3_5. Serve it with --backend trtllm (TensorRT-LLM's PyTorch engine)",
+}
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet + gated full attention
+WRAPPED_TYPES = ("qwen3_5", "qwen3_5_moe")  # published as vision-language wrappers, the language model in text_config
 SKIPPED_WEIGHTS = ("visual.", "mtp.")  # a qwen3_5 checkpoint's vision tower and multi-token-prediction head
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
@@ -56,6 +59,16 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The mixture-of-experts MLP of a qwen3_5_moe target: routed experts plus one gated shared expert per layer."""
+
+    num_experts: int  # E
+    experts_per_token: int  # routed experts per token
+    expert_intermediate_size: int  # m: each expert is a SwiGLU MLP e -> m -> e
+    shared_expert_intermediate_size: int  # s: the shared expert, e -> s -> e
+
+
+@dataclass(frozen=True)
 class TargetConfig:
     """The fields of an HF decoder-only config that the target network needs."""
 
@@ -85,6 +98,7 @@ class TargetConfig:
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims only
     gated_attention: bool = False  # q_proj also yields a per-head output gate: o_proj(attn * sigmoid(gate))
     zero_centered_norms: bool = False  # RMSNorms scale by (1 + w), computed in fp32
+    moe: MoeConfig | None = None  # every layer's MLP is a mixture of experts (qwen3_5_moe); None: dense
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -180,13 +194,13 @@ def checkpoint_dtype(raw: dict[str, Any]) -> torch.dtype:
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
     """A qwen3_5 checkpoint as published is the vision-language wrapper: its language model's config is nested in
     `text_config`; fields it leaves out (dtype, tied embeddings, token ids) come from the wrapper."""
-    if raw.get("model_type") != "qwen3_5" or "text_config" not in raw:
+    if raw.get("model_type") not in WRAPPED_TYPES or "text_config" not in raw:
         return raw
     text = dict(raw["text_config"])
     for name in ("dtype", "torch_dtype", "tie_word_embeddings", "eos_token_id", "bos_token_id"):
         if text.get(name) is None and raw.get(name) is not None:
             text[name] = raw[name]
-    return {**text, "model_type": "qwen3_5"}
+    return {**text, "model_type": raw["model_type"]}
 
 
 def _layer_types(raw: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
@@ -234,11 +248,12 @@ def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetCon
     hidden_size = int(raw["hidden_size"])
     attention_bias = bool(raw.get("attention_bias", False))
     hybrid = _hybrid_fields(raw, int(raw["num_hidden_layers"]), where) if model_type in HYBRID_TYPES else {}
+    moe = _moe_config(raw) if "num_experts" in raw else None
     return TargetConfig(
         model_type=model_type,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden_size,
-        intermediate_size=int(raw["intermediate_size"]),
+        intermediate_size=int(raw.get("intermediate_size") or 0),  # 0: MoE only
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -255,8 +270,25 @@ def parse_target_config(raw: dict[str, Any], where: str = "target") -> TargetCon
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         bos_token_id=raw.get("bos_token_id"),
         dtype=checkpoint_dtype(raw),
+        moe=moe,
         **hybrid,
     )
+
+
+def _moe_config(raw: dict[str, Any]) -> MoeConfig:
+    return MoeConfig(
+        num_experts=int(raw["num_experts"]),
+        experts_per_token=int(raw["num_experts_per_tok"]),
+        expert_intermediate_size=int(raw["moe_intermediate_size"]),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def require_buildable(config: TargetConfig, where: str = "target") -> None:
+    """Refuse a target this toolkit reads but does not build into its own engines (ONNX Runtime, TensorRT, torch)."""
+    if config.model_type.removesuffix("_text") in NOT_BUILT_HERE:
+        kind = config.model_type.removesuffix("_text")
+        raise CheckpointError(f"{where}: model_type {kind!r} is not supported yet: {NOT_BUILT_HERE[kind]}")
 
 
 def _dflash_value(raw: dict[str, Any], name: str, default: Any = None) -> Any:

@@ -17,6 +17,7 @@ from dflash_trt.builder.checkpoints import (
     check_pair,
     parse_drafter_config,
     parse_target_config,
+    require_buildable,
     skipped_weights,
 )
 from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
@@ -26,6 +27,14 @@ from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.parallel_export import export_engines_onnx
+from dflash_trt.builder.parallel_plan import (
+    UNTESTED_TP_NOTE,
+    Parallelism,
+    check_parallelism,
+    describe_ranks,
+    rank_plan,
+    smallest_tp,
+)
 from dflash_trt.builder.plan import describe, memory_plan, parse_bytes
 from dflash_trt.builder.quantize import check_mode, manifest_record
 from dflash_trt.builder.repository import (
@@ -39,6 +48,8 @@ from dflash_trt.builder.repository import (
     write_templates,
 )
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
+from dflash_trt.builder.trtllm_args import TRTLLM_CONTAINER, TRTLLM_RELEASE
+from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, kv_cache_fraction, llm_args, write_trtllm_repository
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
 from transformers import AutoTokenizer
@@ -46,6 +57,7 @@ from transformers import AutoTokenizer
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_SEQ_LEN = 2048
 EXPORT_CACHE_ENV = "DFLASH_TRT_EXPORT_CACHE"  # the default of --export-cache
+TRTLLM_GPU_MEMORY = "141GB"  # --backend trtllm without --gpu-memory: one H200
 
 
 def choose_backend(requested: str) -> str:
@@ -72,10 +84,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--backend",
-        choices=("auto", "onnxruntime", "torch-cuda", "tensorrt"),
+        choices=("auto", "onnxruntime", "torch-cuda", "tensorrt", "trtllm"),
         default="auto",
         help="onnxruntime: CPU engines; torch-cuda: the pair's checkpoints run by torch on a GPU; tensorrt: plans "
-        "(built, not yet served); auto: torch-cuda where CUDA is, else onnxruntime",
+        "(built, not yet served); trtllm: a repository for TensorRT-LLM's PyTorch engine on one or more GPUs "
+        f"(--tp/--pp/--ep; configs only, nothing downloaded; TensorRT-LLM {TRTLLM_RELEASE}); auto: torch-cuda where "
+        "CUDA is, else onnxruntime",
+    )
+    parser.add_argument("--tp", type=int, default=1, help="--backend trtllm: tensor-parallel GPUs")
+    parser.add_argument("--pp", type=int, default=1, help="--backend trtllm: pipeline-parallel stages")
+    parser.add_argument("--ep", type=int, default=1, help="--backend trtllm: expert-parallel groups (MoE targets; divides --tp)")
+    parser.add_argument(
+        "--dynamo-image", default=DYNAMO_IMAGE, help="--backend trtllm: the image of the Dynamo deployment it writes"
     )
     parser.add_argument("--block-size", type=int, help="draft block size (default: the drafter's)")
     parser.add_argument("--max-batch-size", type=int, default=8)
@@ -121,16 +141,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="print what the pair costs (weights, state per token and per sequence) from its configs alone, build nothing",
     )
-    parser.add_argument("--gpu-memory", help="with --plan: how many sequences of --max-seq-len fit in this much (e.g. 141GB)")
+    parser.add_argument(
+        "--gpu-memory",
+        help="with --plan: how many sequences of --max-seq-len fit in this much (e.g. 141GB); --backend trtllm: one "
+        f"GPU's memory, which sizes the KV cache (default {TRTLLM_GPU_MEMORY})",
+    )
     args = parser.parse_args(argv)
+    if args.backend != "trtllm" and (args.tp, args.pp, args.ep) != (1, 1, 1):
+        parser.error(f"--tp/--pp/--ep shard TensorRT-LLM engines: add --backend trtllm (got --backend {args.backend})")
     if args.output is None and not args.plan:
         parser.error("--output is required (or pass --plan to print the memory plan without building)")
     return args
 
 
 def _configs(args: argparse.Namespace) -> tuple[TargetConfig, DrafterConfig | None]:
-    """Both configs, read before any weight is fetched; the pair is checked when a drafter is named."""
-    target_raw, drafter_raw = pair_configs(args.model, args.drafter)
+    """Both configs, read before any weight is fetched; the pair is checked when a drafter is named. --backend trtllm
+    reads an alias's shipped configs where the hub cache has none (it never downloads weights)."""
+    target_raw, drafter_raw = pair_configs(args.model, args.drafter, shipped=args.backend == "trtllm")
     target = parse_target_config(target_raw, where=args.model)
     if drafter_raw is None:
         return target, None
@@ -168,9 +195,12 @@ def build(args: argparse.Namespace) -> Path | None:
         block = args.block_size or (drafter_config.block_size if drafter_config else 16)
         args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, target_config.max_position_embeddings - block)
         print(f"[dflash-build] --max-seq-len {args.max_seq_len}", file=sys.stderr)
+    if args.backend == "trtllm":
+        return build_trtllm(args, target_config, drafter_config)
     if args.plan:
         print_plan(args, target_config, drafter_config)
         return None
+    require_buildable(target_config, args.model)
     backend = choose_backend(args.backend)
     quantization = check_mode(args.quantize, backend)
     drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
@@ -195,6 +225,7 @@ def build(args: argparse.Namespace) -> Path | None:
         "tokenizer_dir": TOKENIZER_DIR,
         "apply_chat_template": "false" if args.no_chat_template else "true",
         "max_batch_size": str(spec.max_batch_size),
+        "engine_model": "dflash",
     }
     print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
     hashes = {"target": checkpoint_hashes(target_dir), "drafter": checkpoint_hashes(drafter_dir)}
@@ -231,6 +262,48 @@ def build(args: argparse.Namespace) -> Path | None:
                        "not_built": skipped_weights(target_dir)},
             "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"]},
         })  # fmt: skip
+    return args.output
+
+
+def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None) -> Path | None:
+    """--backend trtllm: plan the ranks, then (without --plan) write the TensorRT-LLM repository."""
+    parallel = Parallelism(args.tp, args.pp, args.ep)
+    check_parallelism(target, parallel)
+    alias = ALIASES.get(args.model.lower())
+    drafter_spec = args.drafter or (alias.drafter if alias else None)
+    if drafter_spec is None:
+        raise ValueError("--backend trtllm needs a trained DFlash drafter: pass --drafter (a hub id or a path in the container)")
+    block = args.block_size or (drafter.block_size if drafter else 16)
+    dtype = args.dtype if args.dtype != "auto" else str(target.dtype).removeprefix("torch.")
+    memory = parse_bytes(args.gpu_memory or TRTLLM_GPU_MEMORY)
+    plan = rank_plan(target, drafter, dtype, args.max_seq_len, block, parallel)
+    smallest = smallest_tp(target, drafter, dtype, args.max_seq_len, block, memory, args.max_batch_size)
+    print(f"[dflash-build] plan for {args.model} on TensorRT-LLM (block {block}, --max-seq-len {args.max_seq_len}):")
+    print(describe_ranks(plan, dtype, args.max_seq_len, memory, smallest, args.max_batch_size))
+    if parallel.tp > 1:
+        print(f"[dflash-build] note: {UNTESTED_TP_NOTE}", file=sys.stderr)
+    if args.plan:
+        return None
+    fraction = kv_cache_fraction(plan, memory, args.max_batch_size)
+    pair = ServedPair(model=alias.target if alias else args.model, drafter=drafter_spec, name=args.model)
+    llm = llm_args(pair, parallel, block, args.max_batch_size, args.max_seq_len, fraction)
+    manifest = {
+        "backend": "trtllm",
+        "device": "cuda",
+        "tensorrt_llm": {"release": TRTLLM_RELEASE, "container": TRTLLM_CONTAINER},
+        "parallel": {"tp": parallel.tp, "pp": parallel.pp, "ep": parallel.ep, "gpus": parallel.gpus},
+        "plan": {"gpu_memory": memory, "weight_bytes_per_rank": plan.weight_bytes,
+                 "bytes_per_sequence_per_rank": plan.state.bytes_per_sequence, "kv_cache_fraction": fraction},
+        "target": {"source": pair.model, "type": target.model_type},
+        "drafter": {"source": drafter_spec, "config_read": drafter is not None},
+    }  # fmt: skip
+    with staged_output(args.output, args.force) as repo:
+        write_trtllm_repository(repo, pair, parallel, llm, args.max_batch_size, args.dynamo_image, manifest)
+    print(
+        f"[dflash-build] for TensorRT-LLM {TRTLLM_RELEASE} on {parallel.gpus} GPU(s): run {args.output}/launch.sh inside "
+        f"{TRTLLM_CONTAINER} (TensorRT-LLM has not run here: it cannot be installed on this machine)",
+        file=sys.stderr,
+    )
     return args.output
 
 

@@ -21,6 +21,8 @@ class ModelAlias:
 
 ALIASES = {
     "qwen3.5-27b": ModelAlias("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash"),
+    "qwen3.5-122b-a10b": ModelAlias("Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash"),
+    "qwen3.5-397b-a17b": ModelAlias("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash"),
     "qwen3.5-4b": ModelAlias("Qwen/Qwen3.5-4B", "z-lab/Qwen3.5-4B-DFlash"),
     "qwen3-8b": ModelAlias("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"),
     "qwen3-4b": ModelAlias("Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16"),
@@ -29,6 +31,8 @@ ALIASES = {
 CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
 # The demo drafter for the embedded target, trained with dflash-train and shipped in the package (see its README).
 EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-dflash"
+# config.json of aliased pairs (no weights), for what needs configs only: --plan, --backend trtllm (see its README)
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def _looks_like_hub_id(spec: str) -> bool:
@@ -52,16 +56,25 @@ def _hub_config(repo_id: str) -> dict[str, Any] | None:
     return dict(json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text()))
 
 
-def pair_configs(model: str, drafter: str | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def _shipped_config(model: str, role: str) -> dict[str, Any] | None:
+    """The shipped config.json of an alias's target or drafter (`role`), if the project has one."""
+    path = SHIPPED_CONFIGS / model.lower() / role / "config.json"
+    return read_config_json(path.parent) if path.is_file() else None
+
+
+def pair_configs(model: str, drafter: str | None, shipped: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The config.json of --model and of its drafter (None: no drafter named), read before any weight is fetched,
-    so that an unsupported or unavailable pair is refused before a download of tens of gigabytes."""
+    so that an unsupported or unavailable pair is refused before a download of tens of gigabytes. With `shipped`,
+    an alias's config missing from the hub cache comes from SHIPPED_CONFIGS (a drafter none is shipped for: None)."""
     alias = ALIASES.get(model.lower())
     specs = (alias.target if alias else model, drafter or (alias.drafter if alias else None))
     configs: list[dict[str, Any] | None] = []
     missing: list[str] = []
-    for spec in specs:
+    for spec, role in zip(specs, ("target", "drafter"), strict=True):
         if spec is None:
             configs.append(None)
+        elif shipped and alias and spec == (alias.target if role == "target" else alias.drafter):
+            configs.append(_hub_config(spec) or _shipped_config(model, role))
         elif Path(spec).expanduser().is_dir():
             configs.append(read_config_json(Path(spec).expanduser()))
         elif spec == EMBEDDED_TARGET:

@@ -23,6 +23,7 @@ from dflash_trt.builder.checkpoints import (
     parse_drafter_config,
     parse_target_config,
     read_config_json,
+    require_buildable,
 )
 from dflash_trt.builder.gated_deltanet import GatedDeltaNet, GDNTape, commit_state, commit_window
 from dflash_trt.builder.layers import (
@@ -446,6 +447,7 @@ def load_target(checkpoint_dir: Path, tap_layer_ids: tuple[int, ...] = (), dtype
     """Load an HF llama/qwen2/qwen3/qwen3_5 checkpoint directory as a TargetNetwork (eval mode), holding one copy of
     its weights in `dtype` (default: the checkpoint's)."""
     config = parse_target_config(read_config_json(checkpoint_dir), where=str(checkpoint_dir))
+    require_buildable(config, str(checkpoint_dir))
     with torch.device("meta"):
         network = TargetNetwork(config, tap_layer_ids)
     dtype = dtype or config.dtype
@@ -469,6 +471,7 @@ def load_drafter(checkpoint_dir: Path, dtype: torch.dtype | None = None) -> Draf
 def load_pair(target_dir: Path, drafter_dir: Path, dtype: torch.dtype | None = None) -> tuple[TargetNetwork, DrafterNetwork]:
     """Load a target and its drafter, checking first that they fit (hidden size, mask id, tap layers)."""
     target_config = parse_target_config(read_config_json(target_dir), where=str(target_dir))
+    require_buildable(target_config, str(target_dir))
     drafter_config = parse_drafter_config(read_config_json(drafter_dir), where=str(drafter_dir))
     check_pair(target_config, drafter_config)
     target = load_target(target_dir, drafter_config.target_layer_ids, dtype)

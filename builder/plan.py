@@ -29,8 +29,18 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
+def mlp_parameters(c: TargetConfig) -> int:
+    """One layer's MLP: a SwiGLU, or (qwen3_5_moe) a router, the routed experts and a gated shared expert."""
+    e = c.hidden_size
+    if c.moe is None:
+        return 3 * e * c.intermediate_size
+    m = c.moe
+    experts = m.num_experts * 3 * e * m.expert_intermediate_size
+    return e * m.num_experts + experts + 3 * e * m.shared_expert_intermediate_size + e
+
+
 def target_parameters(c: TargetConfig) -> int:
-    e, d, mlp = c.hidden_size, c.head_dim, 3 * c.hidden_size * c.intermediate_size
+    e, d, mlp = c.hidden_size, c.head_dim, mlp_parameters(c)
     norms = 2 * e
     attention = target_attention_matrices(c) + (2 * d if c.qk_norm else 0)
     if c.qkv_bias:
@@ -131,7 +141,7 @@ def memory_plan(
     )
 
 
-def _human(count: float) -> str:
+def human_bytes(count: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if count < 1024 or unit == "TiB":
             return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
@@ -142,16 +152,15 @@ def _human(count: float) -> str:
 def describe(plan: MemoryPlan, dtype: str, max_seq_len: int, memory_bytes: int | None, quantization: str = "none") -> str:
     weights = dtype if quantization == "none" else f"{quantization} linear layers, {dtype} embeddings"
     rows = [
-        (f"weights ({weights}, target + drafter)", _human(plan.weight_bytes)),
-        ("target attention K/V per token", _human(plan.kv_bytes_per_token)),
-        ("drafter context K/V per token", _human(plan.draft_bytes_per_token)),
-        ("recurrent state per sequence", _human(plan.recurrent_bytes_per_sequence)),
-        (f"per sequence of {max_seq_len} tokens (+ block)", _human(plan.bytes_per_sequence)),
+        (f"weights ({weights}, target + drafter)", human_bytes(plan.weight_bytes)),
+        ("target attention K/V per token", human_bytes(plan.kv_bytes_per_token)),
+        ("drafter context K/V per token", human_bytes(plan.draft_bytes_per_token)),
+        ("recurrent state per sequence", human_bytes(plan.recurrent_bytes_per_sequence)),
+        (f"per sequence of {max_seq_len} tokens (+ block)", human_bytes(plan.bytes_per_sequence)),
     ]
     if memory_bytes is not None:
         fit = plan.sequences_that_fit(memory_bytes)
-        rows.append(
-            (f"sequences of {max_seq_len} tokens in {_human(memory_bytes)}", f"{fit} (after the weights; nothing else counted)")
-        )
+        fitting = f"sequences of {max_seq_len} tokens in {human_bytes(memory_bytes)}"
+        rows.append((fitting, f"{fit} (after the weights; nothing else counted)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)

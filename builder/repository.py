@@ -45,12 +45,12 @@ def templates_dir() -> Path:
     return Path(packaged.__file__).resolve().parent
 
 
-def write_templates(repo: Path, values: dict[str, str]) -> None:
+def write_templates(repo: Path, values: dict[str, str], models: tuple[str, ...] = MODELS) -> None:
     """Copy the Triton models, substituting ${name} placeholders in their config.pbtxt. A model whose template has
     ${decoupled} gets config.pbtxt decoupled (streaming) and configs/unary.pbtxt not (unary infer), as
     tensorrtllm_backend's `decoupled_mode` switch does; `dflash-serve --unary` picks the second."""
     source = templates_dir()
-    for model in MODELS:
+    for model in models:
         (repo / model / "1").mkdir(parents=True, exist_ok=True)
         template = Template((source / model / "config.pbtxt").read_text())
         (repo / model / "config.pbtxt").write_text(template.substitute(values, decoupled="true"))
@@ -110,12 +110,14 @@ def write_manifest(repo: Path, manifest: dict[str, object]) -> None:
         **manifest,
     }
     text = json.dumps(record, indent=2) + "\n"
-    (repo / "dflash" / "1" / ENGINE_DIR / "manifest.json").write_text(text)
+    engine_dir = repo / "dflash" / "1" / ENGINE_DIR
+    if engine_dir.is_dir():  # beside the engines (a --backend trtllm repository has none)
+        (engine_dir / "manifest.json").write_text(text)
     (repo / MANIFEST).write_text(text)  # last: its presence marks a complete repository
 
 
 def is_complete_repository(path: Path) -> bool:
-    return (path / MANIFEST).is_file() and (path / "dflash" / "1" / ENGINE_DIR / "manifest.json").is_file()
+    return (path / MANIFEST).is_file()
 
 
 @contextmanager

@@ -17,15 +17,16 @@ from dflash_trt.client.triton_client import (
 
 
 def format_stats(last: dict[str, object], timing: Timing) -> str:
-    """tau, acceptance rate, TTFT, inter-response latency and tok/s from the final response's counters."""
+    """tau, acceptance rate, TTFT, inter-response latency and tok/s from the final response's counters (a counter the
+    engine does not report is negative: TensorRT-LLM's llmapi model reports no step or token count)."""
     steps, tokens = int(last.get("total_steps", 0)), int(last.get("total_output_tokens", 0))  # type: ignore[call-overload]
     draft, accepted = int(last.get("total_draft_tokens", 0)), int(last.get("total_accepted_draft_tokens", 0))  # type: ignore[call-overload]
     elapsed = timing.arrivals[-1] - timing.started if timing.arrivals else float("nan")
-    tau = (tokens - 1) / steps if steps else float("nan")  # the first token comes from prefill
+    tau = f"{(tokens - 1) / steps:.2f}" if steps > 0 and tokens > 0 else "n/a"  # the first token comes from prefill
+    speed = f"{tokens / elapsed:.1f} tok/s ({tokens} tokens in {elapsed:.2f} s)" if tokens >= 0 else f"{elapsed:.2f} s"
     return (
-        f"tau {tau:.2f} | acceptance rate {accepted / draft if draft else 0.0:.1%} ({accepted}/{draft} draft tokens) | "
-        f"TTFT {timing.ttft * 1e3:.0f} ms | inter-response {timing.inter_token * 1e3:.0f} ms | "
-        f"{tokens / elapsed:.1f} tok/s ({tokens} tokens in {elapsed:.2f} s)"
+        f"tau {tau} | acceptance rate {accepted / draft if draft else 0.0:.1%} ({accepted}/{draft} draft tokens) | "
+        f"TTFT {timing.ttft * 1e3:.0f} ms | inter-response {timing.inter_token * 1e3:.0f} ms | {speed}"
     )
 
 

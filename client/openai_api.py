@@ -111,11 +111,16 @@ class Frontend:
     """The tokenizer, the chat template and where Triton is."""
 
     def __init__(self, repo: Path, triton_url: str, model_name: str | None = None, default_max_tokens: int = 16) -> None:
-        from dflash_trt.builder.repository import TOKENIZER_DIR
-        from dflash_trt.runtime.repository import engine_dir_of, read_manifest
+        from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR
         from transformers import AutoTokenizer
 
-        manifest = read_manifest(engine_dir_of(repo))
+        manifest = json.loads((repo / MANIFEST).read_text())
+        if manifest["backend"] == "trtllm":
+            raise ValueError(
+                "a --backend trtllm repository has no token-level `dflash` model to front: TensorRT-LLM serves the "
+                "OpenAI API itself (`trtllm-serve serve MODEL --config trtllm-serve.yaml`, or Dynamo's frontend in "
+                "dynamo-agg.yaml)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(repo / TOKENIZER_DIR)
         self.eos = set(manifest["eos_token_ids"])
         self.model = model_name or Path(manifest["target"]["source"]).name
@@ -269,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         frontend = Frontend(args.repo, args.triton_url, args.served_model_name, args.default_max_tokens)
     except (FileNotFoundError, KeyError, OSError) as failure:
         print(f"dflash-openai: error: {args.repo} is not a dflash-build repository ({failure})", file=sys.stderr)
+        return 2
+    except ValueError as refusal:
+        print(f"dflash-openai: error: {args.repo}: {refusal}", file=sys.stderr)
         return 2
     try:
         import fastapi  # noqa: F401

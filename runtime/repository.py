@@ -29,6 +29,13 @@ TORCH_ENGINE_DIRS = ("target", "drafter")  # a torch-cuda engine directory: the 
 def check_servable(manifest: dict[str, Any], where: Path, device: str | None = None) -> None:
     """Refuse, with what to do, a repository whose engines this runtime cannot run here."""
     backend = manifest.get("backend")
+    if backend == "trtllm":
+        served = manifest.get("tensorrt_llm", {})
+        raise RuntimeError(
+            f"{where} is a TensorRT-LLM repository (dflash-build --backend trtllm, {manifest.get('parallel', {}).get('gpus')} "
+            f"GPU(s)): TensorRT-LLM {served.get('release')} serves it, not this runtime. Run {where}/launch.sh inside "
+            f"{served.get('container')} on GPUs with the project installed; dflash-client and dflash-bench then talk to it"
+        )
     if backend not in SERVABLE:
         raise RuntimeError(
             f"{where} holds {backend} engines (device {manifest.get('device', 'cuda')}); this runtime serves "

@@ -13,6 +13,7 @@ import onnx
 import pytest
 import torch
 from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.models import SHIPPED_CONFIGS
 from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes, rows_independent
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate, generate_plain
@@ -181,7 +182,7 @@ def test_bad_modes_fail_at_build_time(tiny_targets: dict[str, Path], trained_dra
 def test_plan_accounts_for_the_mode(capsys) -> None:
     """--plan of the Qwen3.5-27B pair: int4 linear layers (bf16 embeddings, 8-bit LM head) cost about 0.3x the bf16
     weights, which leaves room for more sequences."""
-    fixtures = Path(__file__).parent / "fixtures" / "qwen3.5-27b"
+    fixtures = SHIPPED_CONFIGS / "qwen3.5-27b"
     command = ["--model", str(fixtures / "target"), "--drafter", str(fixtures / "drafter"), "--plan", "--backend", "onnxruntime"]
     plans = {}
     for mode in ("none", "int8", "int4"):

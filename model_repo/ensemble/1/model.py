@@ -1,4 +1,5 @@
-"""Triton Python model `ensemble`: tensorrtllm_backend's text interface in front of the token-level `dflash` model.
+"""Triton Python model `ensemble`: tensorrtllm_backend's text interface in front of the token-level `dflash` model,
+or (a --backend trtllm repository) of TensorRT-LLM's `llmapi` model, named `tensorrt_llm` (parameter `engine_model`).
 
 `execute` checks each request, tokenizes its prompt (chat template per the build) and hands it to a thread that
 runs it on `dflash` through BLS and forwards what comes back: each step's text when streaming, the whole text at
@@ -24,13 +25,22 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from dflash_trt.runtime.prompts import encode_prompt
-from dflash_trt.runtime.sampling import RequestError
+from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from transformers import AutoTokenizer
 
 WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
 BLS_GRACE_SECONDS = 10.0  # how long a BLS call's responses are kept once it ended (see `HeldCalls`)
 FORWARDED = ("max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id", "stop_words")
 STATS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
+STAT_DTYPES = {name: np.float32 if name == "acceptance_rate" else np.int64 for name in STATS}  # as config.pbtxt says
+NOT_REPORTED = -1  # a statistic the engine model does not report (llmapi: total_steps, total_output_tokens)
+# llmapi (TensorRT-LLM's Triton model): our input -> (its input, its dtype); its inputs are [1] (max_batch_size 0)
+LLMAPI_INPUTS = {
+    "max_tokens": ("sampling_param_max_tokens", np.int32),
+    "random_seed": ("sampling_param_seed", np.uint64),
+    "stop_words": ("sampling_param_stop", np.object_),
+}  # temperature, top_k, top_p: see _llmapi_inputs
+LLMAPI_STATS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 # tensorrtllm_backend inputs this model accepts only at their neutral value: input -> (allowed values, why not).
 NEUTRAL: dict[str, tuple[tuple[object, ...], str]] = {
     "beam_width": ((1,), "beam search is not supported (DFlash verifies one sequence per request); use 1"),
@@ -91,6 +101,44 @@ def _prompt_text(request: object) -> str:
     return text
 
 
+def _llmapi_inputs(request: object, text: str, streaming: bool) -> list:
+    """The request in llmapi's names and dtypes ([1] each). Sampling is read as `dflash` reads it (TensorRT-LLM's
+    conventions: neither top_k nor top_p set is greedy at any temperature, top_p 0 is off) and sent explicitly:
+    greedy as top_k 1, otherwise only the limits that are on."""
+    if _input(request, "end_id") is not None:
+        raise RequestError(
+            "end_id is not an input of TensorRT-LLM's llmapi model (the model's own end tokens end a turn); leave it out"
+        )
+    sampling = SamplingParams.from_request(
+        _scalar(request, "temperature", None), _scalar(request, "top_k", None), _scalar(request, "top_p", None), None
+    )
+    values: dict[str, tuple[object, type]] = {
+        "text_input": (text.encode("utf-8"), np.object_),
+        "streaming": (streaming, np.bool_),
+        "sampling_param_exclude_input_from_output": (True, np.bool_),  # the echo is added here
+    }
+    if sampling.greedy:
+        values["sampling_param_top_k"] = (1, np.int32)
+    else:
+        values["sampling_param_temperature"] = (sampling.temperature, np.float32)
+        if sampling.top_k > 0:
+            values["sampling_param_top_k"] = (sampling.top_k, np.int32)
+        if sampling.top_p < 1:
+            values["sampling_param_top_p"] = (sampling.top_p, np.float32)
+    inputs = [pb_utils.Tensor(name, np.array([value], dtype=dtype)) for name, (value, dtype) in values.items()]
+    for name in ("max_tokens", "random_seed", "stop_words"):
+        array = _input(request, name)
+        if array is not None:
+            llmapi_name, dtype = LLMAPI_INPUTS[name]
+            inputs.append(pb_utils.Tensor(llmapi_name, array.reshape(-1).astype(dtype)))
+    return inputs
+
+
+def _stat(response: object, name: str) -> np.ndarray:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return np.array([NOT_REPORTED]) if tensor is None else tensor.as_numpy()
+
+
 @dataclass
 class Job:
     """One client request on its way through `dflash`."""
@@ -136,7 +184,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = config["parameters"]
         root = Path(args["model_repository"]).parent
-        self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
+        self.engine = params.get("engine_model", {}).get("string_value") or "dflash"
+        if self.engine == "dflash":
+            self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.chat = params["apply_chat_template"]["string_value"] == "true"
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.ids = (f"ensemble-{os.getpid()}-{n}" for n in itertools.count())
@@ -184,20 +234,25 @@ class TritonPythonModel:
                 "(dflash-serve --unary); send stream=false, or serve without --unary to stream"
             )
         text = _prompt_text(request)
-        ids = encode_prompt(self.tokenizer, text, chat=self.chat)
         echo = "" if streaming or _scalar(request, "exclude_input_in_output", False) else text
         outputs = frozenset(request.requested_output_names())  # type: ignore[attr-defined]
         job = Job(request, sender, next(self.ids), streaming, echo, outputs)
+        if self.engine == "dflash":
+            inputs, wanted = self._dflash_inputs(request, text, streaming), ["text_output", *STATS]
+        else:
+            inputs, wanted = _llmapi_inputs(request, text, streaming), ["text_output", *LLMAPI_STATS]
+        call = pb_utils.InferenceRequest(model_name=self.engine, inputs=inputs, requested_output_names=wanted, request_id=job.key)
+        return job, call
+
+    def _dflash_inputs(self, request: object, text: str, streaming: bool) -> list:
+        ids = encode_prompt(self.tokenizer, text, chat=self.chat)
         inputs = [pb_utils.Tensor("input_ids", np.asarray([ids], dtype=np.int64))]
         inputs.append(pb_utils.Tensor("stream", np.array([[streaming]])))  # not streaming: one response at the end
         for name in FORWARDED:
             array = _input(request, name)
             if array is not None:
                 inputs.append(pb_utils.Tensor(name, array.reshape(1, -1)))
-        call = pb_utils.InferenceRequest(
-            model_name="dflash", inputs=inputs, requested_output_names=["text_output", *STATS], request_id=job.key
-        )
-        return job, call
+        return inputs
 
     # --- one request's thread ----------------------------------------------------------------------------------
 
@@ -217,7 +272,7 @@ class TritonPythonModel:
                 if text is None:  # an empty final response
                     continue
                 piece = b"".join(text.as_numpy().reshape(-1)).decode("utf-8")
-                stats = [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in STATS]
+                stats = [_stat(response, name) for name in STATS]
                 if job.streaming:
                     self._send(job, self._response(job, piece, stats))
                 else:
@@ -239,7 +294,7 @@ class TritonPythonModel:
     def _response(self, job: Job, text: str, stats: list[object]) -> object:
         """Only the outputs the client asked for: see `dflash`'s model (the backend frees the others without the GIL)."""
         arrays = {"text_output": np.array([text.encode("utf-8")], dtype=object)}  # [1], as tensorrtllm_backend
-        arrays |= {name: np.asarray(value).reshape(1, 1) for name, value in zip(STATS, stats, strict=True)}
+        arrays |= {name: np.asarray(value, STAT_DTYPES[name]).reshape(1, 1) for name, value in zip(STATS, stats, strict=True)}
         tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items() if name in job.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
@@ -282,15 +337,15 @@ class TritonPythonModel:
             return not job.finished and bool(job.request.is_cancelled())  # type: ignore[attr-defined]
 
     def _stop(self, key: str) -> None:
-        """Ask `dflash` to cancel the request with id `key` (it frees the slot before its next step)."""
-        stop = pb_utils.InferenceRequest(
-            model_name="dflash",
-            inputs=[pb_utils.Tensor("stop", np.array([[True]]))],
-            requested_output_names=["output_ids"],
-            request_id=key,
-        )
+        """Ask the engine model to cancel the request with id `key` (`dflash` frees its slot before its next step)."""
+        if self.engine == "dflash":
+            inputs, wanted = [pb_utils.Tensor("stop", np.array([[True]]))], ["output_ids"]
+        else:  # llmapi: text_input is required even in a stop request
+            inputs = [pb_utils.Tensor("text_input", np.array([b""], dtype=np.object_)), pb_utils.Tensor("stop", np.array([True]))]
+            wanted = ["text_output"]
+        stop = pb_utils.InferenceRequest(model_name=self.engine, inputs=inputs, requested_output_names=wanted, request_id=key)
         responses = stop.exec(decoupled=True)
         for response in responses:
             if response.has_error():
-                pb_utils.Logger.log_warn(f"ensemble: stopping {key} failed: {response.error().message()}")
+                pb_utils.Logger.log_warn(f"ensemble: stopping {key} on {self.engine} failed: {response.error().message()}")
         self.finished_calls.hold(responses)

@@ -1,0 +1,246 @@
+"""dflash-build --backend trtllm: repositories for TensorRT-LLM's PyTorch engine, built offline from shipped configs.
+
+TensorRT-LLM cannot run here. What can be checked is: the files against golden copies, every emitted key against
+the pinned release's published names, the typed mirror's refusals, the rank plan's arithmetic, the Dynamo
+deployment against its CRD, and our ensemble streaming through a real tritonserver to dflash-client in front of a
+stand-in with exactly the llmapi model's inputs and outputs (labelled as such: tests/standins/llmapi).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from dflash_trt.builder.checkpoints import parse_drafter_config, parse_target_config
+from dflash_trt.builder.cli import main as dflash_build
+from dflash_trt.builder.kubernetes import problems, strict_schema
+from dflash_trt.builder.models import pair_configs
+from dflash_trt.builder.parallel_plan import Parallelism, check_parallelism, rank_plan, smallest_tp
+from dflash_trt.builder.plan import DTYPE_BYTES, drafter_parameters, target_parameters
+from dflash_trt.builder.repository import MANIFEST
+from dflash_trt.builder.trtllm_args import TRTLLM_RELEASE, LlmapiModelYaml, LlmArgs, validated
+from dflash_trt.builder.trtllm_repository import TRTLLM_FILES
+from dflash_trt.client.triton_client import Request, ServerError, http_generate, stream_text
+from dflash_trt.runtime.serve import (
+    Ports,
+    dead_backend_stubs,
+    free_port,
+    launch_tritonserver,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "trtllm"
+REFERENCE = Path(__file__).resolve().parents[1] / "builder" / "trtllm_api" / f"tensorrt_llm-{TRTLLM_RELEASE}.json"
+STANDIN = Path(__file__).parent / "standins" / "llmapi"
+DGD_CRD = Path(__file__).resolve().parents[2] / "shared" / "ext" / "dynamo" / "2a6da14" / "dgd_crd.json"
+UPDATE_GOLDEN_ENV = "DFLASH_TRT_UPDATE_GOLDEN"  # set to 1 to rewrite the golden files from this build
+BUILDS = {  # the issue's three: alias -> (extra flags)
+    "qwen3.5-27b": [],
+    "qwen3.5-122b-a10b": ["--tp", "4", "--ep", "4"],
+    "qwen3.5-397b-a17b": ["--tp", "8"],
+}
+UNSTABLE_MANIFEST_KEYS = ("dflash_trt_version", "built_at")
+
+
+@pytest.fixture(autouse=True)
+def offline_without_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hub, and an empty hub cache: the shipped configs are what is read."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path_factory.mktemp("empty-hf-home")))
+
+
+def _build(alias: str, output: Path, *extra: str) -> int:
+    flags = ["--max-seq-len", "32768", "--max-batch-size", "16"]
+    return dflash_build(["--model", alias, "--backend", "trtllm", "--output", str(output), *flags, *extra])
+
+
+@pytest.fixture(scope="module")
+def repositories(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("trtllm")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_HOME", str(root / "empty-hf-home"))
+        for alias, extra in BUILDS.items():
+            assert _build(alias, root / alias, *extra) == 0
+    return {alias: root / alias for alias in BUILDS}
+
+
+def _stable_manifest(repo: Path) -> str:
+    manifest = json.loads((repo / MANIFEST).read_text())
+    return json.dumps({k: v for k, v in manifest.items() if k not in UNSTABLE_MANIFEST_KEYS}, indent=2) + "\n"
+
+
+@pytest.mark.parametrize("alias", BUILDS)
+def test_repository_equals_its_golden_files(repositories: dict[str, Path], alias: str) -> None:
+    repo, golden = repositories[alias], GOLDEN / alias
+    written = {name: (repo / name).read_text() for name in TRTLLM_FILES} | {MANIFEST: _stable_manifest(repo)}
+    if os.environ.get(UPDATE_GOLDEN_ENV) == "1":
+        for name, text in written.items():
+            (golden / name).parent.mkdir(parents=True, exist_ok=True)
+            (golden / name).write_text(text)
+    for name, text in written.items():
+        assert text == (golden / name).read_text(), f"{alias}/{name} is not its golden copy ({UPDATE_GOLDEN_ENV}=1 rewrites)"
+    assert (repo / "ensemble" / "1" / "model.py").is_file() and os.access(repo / "launch.sh", os.X_OK)
+    assert not (repo / "tensorrt_llm" / "1" / "model.py").exists(), "the llmapi model's code is never copied into a build"
+
+
+def test_emitted_keys_are_names_the_release_publishes(repositories: dict[str, Path]) -> None:
+    names = {cls: set(entry["names"]) for cls, entry in json.loads(REFERENCE.read_text())["classes"].items()}
+    for repo in repositories.values():
+        model_yaml = yaml.safe_load((repo / "tensorrt_llm" / "1" / "model.yaml").read_text())
+        assert set(model_yaml) - {"triton_config"} <= names["LLM"]
+        assert set(model_yaml["speculative_config"]) <= names["DFlashDecodingConfig"]
+        assert set(model_yaml["kv_cache_config"]) <= names["KvCacheConfig"]
+        assert set(model_yaml["triton_config"]) <= names["llmapi model.yaml triton_config"]
+        serve_config = yaml.safe_load((repo / "trtllm-serve.yaml").read_text())
+        assert serve_config == {k: v for k, v in model_yaml.items() if k != "triton_config"}
+        validated(LlmapiModelYaml, model_yaml, "model.yaml")  # what was written passes the mirror again
+
+
+def test_mirror_refuses_unknown_keys_and_bad_values(repositories: dict[str, Path]) -> None:
+    args = yaml.safe_load((repositories["qwen3.5-122b-a10b"] / "trtllm-serve.yaml").read_text())
+    with pytest.raises(ValueError, match=rf"TensorRT-LLM {TRTLLM_RELEASE}: speculative_decoding_config: Extra inputs"):
+        validated(LlmArgs, {**args, "speculative_decoding_config": {}}, "args")
+    eagle = {**args, "speculative_config": {**args["speculative_config"], "decoding_type": "Eagle3"}}
+    with pytest.raises(ValueError, match="speculative_config.decoding_type: Input should be 'DFlash'"):
+        validated(LlmArgs, eagle, "args")
+    with pytest.raises(ValueError, match="speculative_config.max_draft_len: Input should be greater than or equal to 1"):
+        validated(LlmArgs, {**args, "speculative_config": {**args["speculative_config"], "max_draft_len": 0}}, "args")
+    with pytest.raises(ValueError, match="moe_expert_parallel_size 3 must divide tensor_parallel_size 4"):
+        validated(LlmArgs, {**args, "moe_expert_parallel_size": 3}, "args")
+
+
+def _configs(alias: str) -> tuple:
+    target_raw, drafter_raw = pair_configs(alias, None, shipped=True)
+    return parse_target_config(target_raw), parse_drafter_config(drafter_raw) if drafter_raw else None
+
+
+def test_rank_plan_shards_weights_and_state() -> None:
+    """122B-A10B at TP 4 / EP 4: every layer a quarter (K/V heads: 2 of 2 replicated over 4 ranks -> 1 each), the
+    two vocabulary matrices a quarter, the drafter whole; 397B-A17B needs TP 8 on 141 GB GPUs, 27B fits on one."""
+    target, drafter = _configs("qwen3.5-122b-a10b")
+    assert target.moe is not None and 121e9 < target_parameters(target) < 123e9
+    plan = rank_plan(target, drafter, "bfloat16", 32768, 16, Parallelism(tp=4, ep=4))
+    vocabulary = 2 * target.vocab_size * target.hidden_size
+    kv = len(target.attention_layers) * 2 * target.hidden_size * target.num_kv_heads * target.head_dim
+    layers = target_parameters(target) - vocabulary - target.hidden_size
+    expected = (layers - kv) / 4 + kv / 2 + vocabulary / 4 + drafter_parameters(drafter)
+    assert plan.weight_bytes == int((layers - kv) / 4 + kv / 2 + vocabulary / 4) * 2 + drafter_parameters(drafter) * 2
+    assert abs(plan.weight_bytes - expected * DTYPE_BYTES["bfloat16"]) < 16
+    assert plan.state.kv_bytes_per_token == 12 * 2 * 1 * 256 * 2  # 12 attention layers, 1 K/V head per rank
+    assert plan.state.recurrent_bytes_per_sequence == 36 * (16 * 128 * 128 * 4 + 3 * (2 * 2048 + 8192) * 2 // 4)
+    assert smallest_tp(*_configs("qwen3.5-397b-a17b"), "bfloat16", 32768, 16, 141 * 10**9, 16) == 8
+    assert smallest_tp(*_configs("qwen3.5-27b"), "bfloat16", 32768, 16, 141 * 10**9, 16) == 1
+
+
+@pytest.mark.parametrize(
+    ("alias", "parallel", "message"),
+    [
+        ("qwen3.5-122b-a10b", Parallelism(tp=4, ep=3), "--ep 3 must divide --tp 4"),
+        ("qwen3.5-27b", Parallelism(tp=2, ep=2), "expert parallelism needs a mixture-of-experts target"),
+        ("qwen3.5-27b", Parallelism(tp=5), "--tp 5 must divide the target's 24 attention heads"),
+        ("qwen3.5-397b-a17b", Parallelism(tp=1, pp=61), "--pp 61 exceeds the target's 60 layers"),
+    ],
+)
+def test_unshardable_parallelism_is_refused(alias: str, parallel: Parallelism, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_parallelism(_configs(alias)[0], parallel)
+
+
+def test_bad_requests_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _build("qwen3.5-27b", tmp_path / "a", "--tp", "2", "--ep", "2") == 2
+    assert "expert parallelism needs a mixture-of-experts target" in capsys.readouterr().err
+    assert _build("qwen3.5-122b-a10b", tmp_path / "b") == 2  # TP 1: 229 GiB of weights on one 141 GB GPU
+    assert "do not fit on one rank of TP 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        dflash_build(["--model", "qwen3.5-27b", "--tp", "2", "--output", str(tmp_path / "c")])
+    assert "add --backend trtllm" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_dynamo_deployment_validates_against_its_crd(repositories: dict[str, Path]) -> None:
+    if not DGD_CRD.is_file():
+        pytest.skip(f"no DynamoGraphDeployment CRD at {DGD_CRD}")
+    crd = json.loads(DGD_CRD.read_text())
+    schemas = {(f"{crd['group']}/{name}", crd["kind"]): strict_schema(version["openAPIV3Schema"])
+               for name, version in crd["versions"].items() if version["served"]}  # fmt: skip
+    for alias, repo in repositories.items():
+        objects = list(yaml.safe_load_all((repo / "dynamo-agg.yaml").read_text()))
+        assert [o["kind"] for o in objects] == ["ConfigMap", "DynamoGraphDeployment"]
+        assert problems(objects, ("1.30", "1.37"), schemas) == [], alias
+        worker = objects[1]["spec"]["components"][1]["podTemplate"]["spec"]["containers"][0]
+        engine_args = yaml.safe_load(objects[0]["data"]["engine-args.yaml"])
+        assert engine_args == yaml.safe_load((repo / "trtllm-serve.yaml").read_text())
+        gpus = json.loads((repo / MANIFEST).read_text())["parallel"]["gpus"]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    typo = list(yaml.safe_load_all((repositories["qwen3.5-27b"] / "dynamo-agg.yaml").read_text()))[1]
+    typo["spec"]["components"][0]["replica"] = 1  # the CRD's strict schema refuses an unknown field
+    assert any("'replica' was unexpected" in p for p in problems([typo], ("1.37",), schemas))
+
+
+def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories: dict[str, Path]) -> None:
+    repo = repositories["qwen3.5-122b-a10b"]
+    with pytest.raises(RuntimeError, match=r"TensorRT-LLM repository .* 4 GPU\(s\).* Run .*/launch.sh inside nvcr.io"):
+        start_server(repo, Ports(free_port(), free_port(), free_port()))
+    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repo)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "trtllm-serve serve MODEL --config trtllm-serve.yaml" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def standin_server(repositories: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The 27B repository with the stand-in in place of what launch.sh copies from the container, on tritonserver."""
+    repo = tmp_path_factory.mktemp("standin") / "repo"
+    shutil.copytree(repositories["qwen3.5-27b"], repo)
+    shutil.copy(STANDIN / "config.pbtxt", repo / "tensorrt_llm" / "config.pbtxt")
+    shutil.copy(STANDIN / "1" / "model.py", repo / "tensorrt_llm" / "1" / "model.py")
+    ports = Ports(free_port(), free_port(), free_port())
+    log = repo.parent / "server.log"
+    process = launch_tritonserver(repo, ports, log)
+    try:
+        wait_ready(process, ports.http)
+        yield ports
+    finally:
+        dead = dead_backend_stubs(process.pid)
+        code = stop_server(process)
+        assert not dead and code == 0, log.read_text(errors="replace")[-3000:]
+
+
+@pytest.mark.slow
+def test_ensemble_maps_the_contract_onto_llmapi(standin_server: Ports) -> None:
+    url = f"localhost:{standin_server.grpc}"
+    prompt = "alpha beta gamma delta"
+    greedy = list(stream_text(url, prompt, Request(max_tokens=4)))  # temperature 0: greedy, sent as top_k 1
+    assert [p["text"] for p in greedy] == [" [top_k=1 max_tokens=4]", " delta", " gamma", " beta"]
+    assert [(p["total_draft_tokens"], p["total_accepted_draft_tokens"]) for p in greedy] == [(15, 2), (30, 4), (45, 6), (60, 8)]
+    assert greedy[-1]["total_steps"] == -1 and greedy[-1]["total_output_tokens"] == -1  # llmapi reports neither
+    assert abs(greedy[-1]["acceptance_rate"] - 2 / 15) < 1e-6
+    sampled = Request(max_tokens=3, temperature=0.5, top_k=5, top_p=0.25, seed=7, stop_words=("x", "y"))
+    header = "".join(p["text"] for p in stream_text(url, prompt, sampled)).split("]")[0]
+    assert header == " [temperature=0.5 top_k=5 top_p=0.25 seed=7 max_tokens=3 stop=x|y"
+    base = f"http://localhost:{standin_server.http}"
+    assert http_generate(base, prompt, Request(max_tokens=2, stream=False))["text_output"] == " [top_k=1 max_tokens=2] delta"
+    body = json.dumps({"text_input": prompt, "max_tokens": 2, "stream": False}).encode()  # exclude_input_in_output unset
+    post = urllib.request.Request(f"{base}/v2/models/ensemble/generate", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=60) as answer:  # the prompt echoed in front, as tensorrtllm_backend does
+        assert json.loads(answer.read())["text_output"] == prompt + " [top_k=1 max_tokens=2] delta"
+    with pytest.raises(ServerError, match="end_id is not an input of TensorRT-LLM's llmapi model"):
+        list(stream_text(url, prompt, Request(end_id=2)))
+
+
+@pytest.mark.slow
+def test_dflash_client_streams_from_it(standin_server: Ports) -> None:
+    command = [sys.executable, "-m", "dflash_trt.client.cli", "one two three", "--url", f"localhost:{standin_server.grpc}"]
+    done = subprocess.run([*command, "--max-tokens", "3", "--stats"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == " [top_k=1 max_tokens=3] three two\n"
+    assert "tau n/a | acceptance rate 13.3% (6/45 draft tokens)" in done.stderr

@@ -31,8 +31,8 @@ from dflash_trt.client.triton_client import Request, ServerError, http_generate,
 from dflash_trt.runtime.serve import (
     Ports,
     dead_backend_stubs,
+    find_triton,
     free_port,
-    launch_tritonserver,
     start_server,
     stop_server,
     wait_ready,
@@ -198,21 +198,43 @@ def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories:
 
 @pytest.fixture(scope="module")
 def standin_server(repositories: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    """The 27B repository with the stand-in in place of what launch.sh copies from the container, on tritonserver."""
-    repo = tmp_path_factory.mktemp("standin") / "repo"
-    shutil.copytree(repositories["qwen3.5-27b"], repo)
-    shutil.copy(STANDIN / "config.pbtxt", repo / "tensorrt_llm" / "config.pbtxt")
-    shutil.copy(STANDIN / "1" / "model.py", repo / "tensorrt_llm" / "1" / "model.py")
+    """The 27B repository served by its own launch.sh, in a mock of the container: the stand-in where the container
+    keeps the llmapi model, a `tensorrt_llm` package that only passes launch.sh's import check, and this machine's
+    tritonserver on PATH (its backend directory and ports appended to launch.sh's arguments)."""
+    root, repo = tmp_path_factory.mktemp("standin"), repositories["qwen3.5-27b"]
+    shutil.copytree(STANDIN, root / "llmapi")
+    (root / "site" / "tensorrt_llm").mkdir(parents=True)
+    (root / "site" / "tensorrt_llm" / "__init__.py").write_text('"""STAND-IN: passes the import check of launch.sh."""\n')
+    triton = find_triton()
+    (root / "bin").mkdir()
+    (root / "bin" / "tritonserver").symlink_to(triton.binary)
+    path = os.pathsep.join([str(root / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
+    environment = {**os.environ, **triton.env, "PATH": path, "LLMAPI_MODEL_DIR": str(root / "llmapi"),
+                   "PYTHONPATH": str(root / "site"), "DFLASH_TRT_WORKDIR": str(root / "work")}  # fmt: skip
     ports = Ports(free_port(), free_port(), free_port())
-    log = repo.parent / "server.log"
-    process = launch_tritonserver(repo, ports, log)
+    flags = [f"--backend-directory={triton.backend_dir}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
+             f"--metrics-port={ports.metrics}", "--allow-gpu-metrics=false", "--log-verbose=0"]  # fmt: skip
+    log = root / "server.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen([str(repo / "launch.sh"), *flags], env=environment, stdout=output,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
         wait_ready(process, ports.http)
+        assert (root / "work" / "tensorrt_llm" / "1" / "model.py").read_bytes() == (STANDIN / "1" / "model.py").read_bytes()
+        model_yaml = Path("tensorrt_llm") / "1" / "model.yaml"
+        assert (root / "work" / model_yaml).read_text() == (repo / model_yaml).read_text()
+        assert not (repo / "tensorrt_llm" / "config.pbtxt").exists(), "launch.sh leaves the repository as built"
         yield ports
     finally:
         dead = dead_backend_stubs(process.pid)
         code = stop_server(process)
         assert not dead and code == 0, log.read_text(errors="replace")[-3000:]
+
+
+def test_launch_script_refuses_outside_the_container(repositories: dict[str, Path], tmp_path: Path) -> None:
+    environment = {**os.environ, "LLMAPI_MODEL_DIR": str(tmp_path / "nothing")}
+    done = subprocess.run([str(repositories["qwen3.5-27b"] / "launch.sh")], capture_output=True, text=True, env=environment)
+    assert done.returncode == 2 and "no llmapi model at" in done.stderr and "trtllm-python-py3" in done.stderr
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@
 # Run it inside nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 on a machine with 4 GPU(s), with the repository mounted, e.g.
 #   docker run --gpus all --ipc=host -p 8000:8000 -p 8001:8001 -p 8002:8002 -v $PWD/REPO:/repo \
 #     nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 bash -c 'pip install dflash-trt && /repo/launch.sh'
-# It copies the llmapi model's code from the container (never from this project) beside our model.yaml, checks
-# what it needs, and starts tritonserver; gRPC :8001, HTTP :8000, metrics :8002 (as dflash-serve).
+# It checks what it needs, copies the repository to a writable directory ($DFLASH_TRT_WORKDIR, default a new
+# temporary one: the mount may be read-only), adds the llmapi model's code from the container (never from this
+# project) beside our model.yaml there, and starts tritonserver on it with any arguments given here appended;
+# gRPC :8001, HTTP :8000, metrics :8002 (as dflash-serve).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 llmapi="${LLMAPI_MODEL_DIR:-/app/all_models/llmapi/tensorrt_llm}"
@@ -20,7 +22,10 @@ if ! python3 -c "import dflash_trt" 2>/dev/null; then
   echo "launch.sh: the ensemble model needs this project: pip install dflash-trt inside the container" >&2
   exit 2
 fi
-cp -n "$llmapi/config.pbtxt" "$here/tensorrt_llm/config.pbtxt"
-find "$llmapi/1" -maxdepth 1 -type f ! -name model.yaml -exec cp -n {} "$here/tensorrt_llm/1/" \;
-export LLM_CONFIG_PATH="$here/tensorrt_llm/1/model.yaml"
-exec tritonserver --model-repository="$here" --http-port=8000 --grpc-port=8001 --metrics-port=8002 "$@"
+work="${DFLASH_TRT_WORKDIR:-$(mktemp -d)}"
+mkdir -p "$work"
+cp -a "$here/." "$work/"
+cp "$llmapi/config.pbtxt" "$work/tensorrt_llm/config.pbtxt"
+find "$llmapi/1" -maxdepth 1 -type f ! -name model.yaml -exec cp {} "$work/tensorrt_llm/1/" \;
+export LLM_CONFIG_PATH="$work/tensorrt_llm/1/model.yaml"
+exec tritonserver --model-repository="$work" --http-port=8000 --grpc-port=8001 --metrics-port=8002 "$@"

@@ -10,6 +10,14 @@ their offline validation.
     DIR/overlays/gateway/     + the dflash-openai container, GRPCRoute, HTTPRoute and an InferencePool
     DIR/overlays/kserve/      ServingRuntime + InferenceService (KServe runs the pods; no base)
 
+and for a `dflash-build --backend trtllm` repository instead (TensorRT-LLM serves it; its llmapi model exports no
+dflash gauges and has no token-level model for dflash-openai, so the autoscaling, gateway and KServe overlays are
+not written):
+
+    DIR/overlays/trtllm/      the pod as the TensorRT-LLM container runs it: the repository's launch.sh, every GPU
+                              of its --tp x --pp, shared memory for NCCL, a writable copy of the repository
+    DIR/overlays/monitoring/  as above
+
 with values from the repository's manifest (its name, backend, engine size). `dflash-deploy validate DIR` renders
 every overlay with `kubectl kustomize` and checks each object strictly (unknown fields fail): built-in kinds with
 `kubernetes-validate` for each Kubernetes version asked, custom resources against their CRDs' openAPIV3Schema.
@@ -22,6 +30,7 @@ sleep lets endpoints drop the pod first, and the grace period outlasts preStop p
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import subprocess
@@ -35,6 +44,8 @@ HTTP_PORT, GRPC_PORT, METRICS_PORT, OPENAI_PORT = 8000, 8001, 8002, 9000
 PRESTOP_SECONDS = 15  # endpoints and balancers stop routing to a terminating pod before tritonserver sees SIGTERM
 EXIT_TIMEOUT_SECONDS = 120  # tritonserver --exit-timeout-secs: the longest drain of in-flight streams
 GAUGES = ("dflash_waiting_requests", "dflash_running_requests", "dflash_slot_usage_ratio")
+TRTLLM_HOST_GIB_PER_GPU = 32  # --backend trtllm pods: host memory asked per GPU (not measured: TensorRT-LLM never ran here)
+TRTLLM_WORKDIR = "/trtllm-repo"  # where launch.sh copies the repository and adds the llmapi model's code
 Object = dict[str, Any]
 
 
@@ -43,14 +54,18 @@ class Deployment:
 
     def __init__(self, repo: Path, image: str, name: str, replicas: int, gpus: int | None, models_image: str | None,
                  gateway: str, prometheus_url: str) -> None:  # fmt: skip
-        from dflash_trt.runtime.repository import engine_bytes, engine_dir_of, read_manifest
+        from dflash_trt.builder.repository import MANIFEST
+        from dflash_trt.runtime.repository import engine_bytes
 
-        manifest = read_manifest(engine_dir_of(repo))
+        manifest = json.loads((repo / MANIFEST).read_text())
         self.repo_name, self.image, self.name, self.replicas = repo.resolve().name, image, name, replicas
         self.backend = manifest["backend"]
-        self.gpus = (1 if self.backend == "tensorrt" else 0) if gpus is None else gpus
-        # ONNX Runtime measured 2.8 GiB resident for 0.72 GB of engines (four sessions, state pool): 4x + 1 GiB.
-        self.memory = f"{math.ceil(4 * engine_bytes(repo) / 2**30 + 1)}Gi"
+        default_gpus = {"tensorrt": 1, "trtllm": manifest.get("parallel", {}).get("gpus", 1)}.get(self.backend, 0)
+        self.gpus = default_gpus if gpus is None else gpus
+        if self.backend == "trtllm":  # host memory per GPU for TensorRT-LLM's rank processes: an assumption, unmeasured
+            self.memory = f"{TRTLLM_HOST_GIB_PER_GPU * max(self.gpus, 1)}Gi"
+        else:  # ONNX Runtime measured 2.8 GiB resident for 0.72 GB of engines (four sessions, state pool): 4x + 1 GiB.
+            self.memory = f"{math.ceil(4 * engine_bytes(repo) / 2**30 + 1)}Gi"
         self.models_image, self.gateway, self.prometheus_url = models_image, gateway, prometheus_url
         self.labels = {"app.kubernetes.io/name": "dflash-trt", "app.kubernetes.io/instance": name}
 
@@ -268,6 +283,20 @@ class Deployment:
             },
         }
 
+    def trtllm_patch(self) -> Object:
+        """A strategic-merge patch: the pod as the TensorRT-LLM container runs a --backend trtllm repository."""
+        container = {
+            "name": "triton",
+            "command": [f"/models/{self.repo_name}/launch.sh"],
+            "args": [f"--exit-timeout-secs={EXIT_TIMEOUT_SECONDS}", "--allow-metrics=true", "--allow-gpu-metrics=true"],
+            "env": [{"name": "DFLASH_TRT_WORKDIR", "value": TRTLLM_WORKDIR}],
+            "resources": {"requests": {"cpu": str(4 * self.gpus)}},  # the GPU limit is the base's
+            "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}, {"name": "trtllm-repo", "mountPath": TRTLLM_WORKDIR}],
+        }
+        volumes = [{"name": "shm", "emptyDir": {"medium": "Memory"}}, {"name": "trtllm-repo", "emptyDir": {}}]
+        spec = {"template": {"spec": {"containers": [container], "volumes": volumes}}}
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": self.name}, "spec": spec}
+
     def kserve(self) -> list[Object]:
         container = self.triton_container()
         container.update(
@@ -306,23 +335,32 @@ def write_tree(deployment: Deployment, output: Path) -> list[Path]:
     _write(base, "service.yaml", deployment.services())
     _write(base, "pdb.yaml", [deployment.disruption_budget()])
     _kustomization(base, ["deployment.yaml", "service.yaml", "pdb.yaml"])
-    overlays = {
-        "hpa": {"hpa.yaml": [deployment.autoscaler()], "adapter-rules.yaml": [deployment.adapter_rules()]},
-        "keda": {"scaledobject.yaml": [deployment.scaled_object()]},
-        "monitoring": {"podmonitor.yaml": [deployment.pod_monitor()]},
-        "gateway": {"routes.yaml": deployment.routes(), "inferencepool.yaml": [deployment.inference_pool()]},
-    }
+    trtllm = deployment.backend == "trtllm"
+    overlays: dict[str, dict[str, list[Object]]] = {"monitoring": {"podmonitor.yaml": [deployment.pod_monitor()]}}
+    patches = {"gateway": ("openai-container.yaml", deployment.openai_patch)}
+    if trtllm:
+        overlays["trtllm"] = {}
+        patches = {"trtllm": ("trtllm-container.yaml", deployment.trtllm_patch)}
+    else:
+        overlays |= {
+            "hpa": {"hpa.yaml": [deployment.autoscaler()], "adapter-rules.yaml": [deployment.adapter_rules()]},
+            "keda": {"scaledobject.yaml": [deployment.scaled_object()]},
+            "gateway": {"routes.yaml": deployment.routes(), "inferencepool.yaml": [deployment.inference_pool()]},
+        }
     rendered = [base]
     for name, files in overlays.items():
         directory = output / "overlays" / name
         for file, objects in files.items():
             _write(directory, file, objects)
-        patches = []
-        if name == "gateway":
-            _write(directory, "openai-container.yaml", [deployment.openai_patch()])
-            patches = ["openai-container.yaml"]
-        _kustomization(directory, ["../../base", *files], patches)
+        patch_files = []
+        if name in patches:
+            patch_file, patch = patches[name]
+            _write(directory, patch_file, [patch()])
+            patch_files = [patch_file]
+        _kustomization(directory, ["../../base", *files], patch_files)
         rendered.append(directory)
+    if trtllm:
+        return rendered
     kserve = output / "overlays" / "kserve"
     _write(kserve, "kserve.yaml", deployment.kserve())
     _kustomization(kserve, ["kserve.yaml"])

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from dflash_trt.builder.checkpoints import parse_drafter_config, parse_target_config
 from dflash_trt.builder.cli import main as dflash_build
-from dflash_trt.builder.kubernetes import problems, strict_schema
+from dflash_trt.builder.kubernetes import Deployment, problems, render, strict_schema, validate_tree, write_tree
 from dflash_trt.builder.models import pair_configs
 from dflash_trt.builder.parallel_plan import Parallelism, check_parallelism, rank_plan, smallest_tp
 from dflash_trt.builder.plan import DTYPE_BYTES, drafter_parameters, target_parameters
@@ -42,6 +42,7 @@ GOLDEN = Path(__file__).parent / "golden" / "trtllm"
 REFERENCE = Path(__file__).resolve().parents[1] / "builder" / "trtllm_api" / f"tensorrt_llm-{TRTLLM_RELEASE}.json"
 STANDIN = Path(__file__).parent / "standins" / "llmapi"
 DGD_CRD = Path(__file__).resolve().parents[2] / "shared" / "ext" / "dynamo" / "2a6da14" / "dgd_crd.json"
+CRDS = Path(__file__).resolve().parents[2] / "shared" / "ext" / "crds"
 UPDATE_GOLDEN_ENV = "DFLASH_TRT_UPDATE_GOLDEN"  # set to 1 to rewrite the golden files from this build
 BUILDS = {  # the three: alias -> (extra flags)
     "qwen3.5-27b": [],
@@ -185,6 +186,22 @@ def test_dynamo_deployment_validates_against_its_crd(repositories: dict[str, Pat
     typo = list(yaml.safe_load_all((repositories["qwen3.5-27b"] / "dynamo-agg.yaml").read_text()))[1]
     typo["spec"]["components"][0]["replica"] = 1  # the CRD's strict schema refuses an unknown field
     assert any("'replica' was unexpected" in p for p in problems([typo], ("1.37",), schemas))
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None or not CRDS.is_dir(), reason="needs kubectl and the upstream CRDs")
+def test_kubernetes_overlay_runs_launch_script_on_every_gpu(repositories: dict[str, Path], tmp_path: Path) -> None:
+    deployment = Deployment(repositories["qwen3.5-122b-a10b"], "example.com/tritonserver-trtllm:test", "qwen", 1, None,
+                            None, "gw", "http://prom:9090")  # fmt: skip
+    written = write_tree(deployment, tmp_path)
+    assert [d.relative_to(tmp_path).as_posix() for d in written] == ["base", "overlays/monitoring", "overlays/trtllm"]
+    objects = render(tmp_path / "overlays" / "trtllm")
+    pod = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"] == ["/models/qwen3.5-122b-a10b/launch.sh"] and "args" in container
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4  # --tp 4 x --pp 1
+    assert {v["name"] for v in pod["volumes"]} == {"models", "shm", "trtllm-repo"}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/models", "/dev/shm", "/trtllm-repo"}
+    assert all(not found for found in validate_tree(tmp_path, ("1.30", "1.37"), CRDS).values())
 
 
 def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories: dict[str, Path]) -> None:

@@ -30,7 +30,6 @@ sleep lets endpoints drop the pod first, and the grace period outlasts preStop p
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import subprocess
@@ -54,10 +53,10 @@ class Deployment:
 
     def __init__(self, repo: Path, image: str, name: str, replicas: int, gpus: int | None, models_image: str | None,
                  gateway: str, prometheus_url: str) -> None:  # fmt: skip
-        from dflash_trt.builder.repository import MANIFEST
+        from dflash_trt.builder.repository import read_repository_manifest
         from dflash_trt.runtime.repository import engine_bytes
 
-        manifest = json.loads((repo / MANIFEST).read_text())
+        manifest = read_repository_manifest(repo)
         self.repo_name, self.image, self.name, self.replicas = repo.resolve().name, image, name, replicas
         self.backend = manifest["backend"]
         default_gpus = {"tensorrt": 1, "trtllm": manifest.get("parallel", {}).get("gpus", 1)}.get(self.backend, 0)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from dflash_trt.builder.checkpoints import CheckpointError
 
@@ -118,6 +119,12 @@ def write_manifest(repo: Path, manifest: dict[str, object]) -> None:
 
 def is_complete_repository(path: Path) -> bool:
     return (path / MANIFEST).is_file()
+
+
+def read_repository_manifest(repo: Path) -> dict[str, Any]:
+    """The manifest of a dflash-build repository (any backend)."""
+    manifest: dict[str, Any] = json.loads((repo / MANIFEST).read_text())
+    return manifest
 
 
 @contextmanager

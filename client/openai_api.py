@@ -111,10 +111,10 @@ class Frontend:
     """The tokenizer, the chat template and where Triton is."""
 
     def __init__(self, repo: Path, triton_url: str, model_name: str | None = None, default_max_tokens: int = 16) -> None:
-        from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR
+        from dflash_trt.builder.repository import TOKENIZER_DIR, read_repository_manifest
         from transformers import AutoTokenizer
 
-        manifest = json.loads((repo / MANIFEST).read_text())
+        manifest = read_repository_manifest(repo)
         if manifest["backend"] == "trtllm":
             raise ValueError(
                 "a --backend trtllm repository has no token-level `dflash` model to front: TensorRT-LLM serves the "

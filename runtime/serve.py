@@ -9,7 +9,6 @@ environment's packages), and libpython plus the wheel's own libraries on LD_LIBR
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_trt.builder.embedded import data_dir
-from dflash_trt.builder.repository import MANIFEST, UNARY_CONFIG, is_complete_repository
+from dflash_trt.builder.repository import UNARY_CONFIG, is_complete_repository, read_repository_manifest
 from dflash_trt.runtime.repository import check_servable
 
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -95,14 +94,7 @@ def start_server(
         raise FileNotFoundError(
             f"{repo} is not a complete dflash-build model repository (no dflash-manifest.json); run dflash-build first"
         )
-    check_servable(json.loads((repo / MANIFEST).read_text()), repo)  # before tritonserver loads a model it cannot run
-    return launch_tritonserver(repo, ports, log_path, unary, cores)
-
-
-def launch_tritonserver(
-    repo: Path, ports: Ports, log_path: Path | None = None, unary: bool = False, cores: str | None = None
-) -> subprocess.Popen[bytes]:
-    """tritonserver on a model repository, as it is (start_server checks a dflash-build repository first)."""
+    check_servable(read_repository_manifest(repo), repo)  # before tritonserver loads a model it cannot run
     triton = find_triton()
     command = [
         str(triton.binary), f"--model-repository={repo.resolve()}", f"--backend-directory={triton.backend_dir}",

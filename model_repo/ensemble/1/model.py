@@ -126,10 +126,9 @@ def _llmapi_inputs(request: object, text: str, streaming: bool) -> list:
         if sampling.top_p < 1:
             values["sampling_param_top_p"] = (sampling.top_p, np.float32)
     inputs = [pb_utils.Tensor(name, np.array([value], dtype=dtype)) for name, (value, dtype) in values.items()]
-    for name in ("max_tokens", "random_seed", "stop_words"):
+    for name, (llmapi_name, dtype) in LLMAPI_INPUTS.items():
         array = _input(request, name)
         if array is not None:
-            llmapi_name, dtype = LLMAPI_INPUTS[name]
             inputs.append(pb_utils.Tensor(llmapi_name, array.reshape(-1).astype(dtype)))
     return inputs
 

@@ -116,6 +116,7 @@ def _llmapi_inputs(request: object, text: str, streaming: bool) -> list:
         "text_input": (text.encode("utf-8"), np.object_),
         "streaming": (streaming, np.bool_),
         "sampling_param_exclude_input_from_output": (True, np.bool_),  # the echo is added here
+        "sampling_param_return_perf_metrics": (True, np.bool_),  # llmapi sends its draft counters only then
     }
     if sampling.greedy:
         values["sampling_param_top_k"] = (1, np.int32)
@@ -258,6 +259,7 @@ class TritonPythonModel:
     def _run(self, job: Job, call: object) -> None:
         pieces: list[str] = [job.echo]
         stats: list[object] = []
+        so_far = ""  # llmapi: each streamed response holds the whole text so far (RequestOutput's `text`)
         responses = None
         try:
             if job.finished:  # cancelled before its request went out: nothing to run
@@ -271,6 +273,8 @@ class TritonPythonModel:
                 if text is None:  # an empty final response
                     continue
                 piece = b"".join(text.as_numpy().reshape(-1)).decode("utf-8")
+                if self.engine != "dflash":  # only what is new, as TensorRT-LLM's own text_diff does
+                    piece, so_far = piece[len(so_far) :], piece
                 stats = [_stat(response, name) for name in STATS]
                 if job.streaming:
                     self._send(job, self._response(job, piece, stats))
@@ -344,7 +348,8 @@ class TritonPythonModel:
             wanted = ["text_output"]
         stop = pb_utils.InferenceRequest(model_name=self.engine, inputs=inputs, requested_output_names=wanted, request_id=key)
         responses = stop.exec(decoupled=True)
+        stopped = pb_utils.TritonError.CANCELLED if self.engine != "dflash" else None  # llmapi's answer when it stopped
         for response in responses:
-            if response.has_error():
+            if response.has_error() and response.error().code() != stopped:
                 pb_utils.Logger.log_warn(f"ensemble: stopping {key} on {self.engine} failed: {response.error().message()}")
         self.finished_calls.hold(responses)

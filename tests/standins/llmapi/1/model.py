@@ -2,8 +2,11 @@
 
 It has llmapi's inputs and outputs (config.pbtxt) and makes up its answer from what it received, so a test can see
 what our ensemble sent: a header naming each sampling input it got ("[top_k=1 max_tokens=8]"), then the prompt's
-words in reverse, one word per streamed response, cut at max_tokens pieces. Each response carries the draft
-counters llmapi reports (INT32): 15 drafts and 2 accepted per piece.
+words in reverse, one word per step, cut at max_tokens pieces. It answers the way llmapi's model.py does (read,
+not copied): a streamed response holds the whole text so far (RequestOutput.text), the prompt comes first unless
+sampling_param_exclude_input_from_output is true (its default is false), the draft counters (15 drafts and 2
+accepted per piece) come only with sampling_param_return_perf_metrics, and a stop request is answered with a
+CANCELLED error.
 """
 
 from __future__ import annotations
@@ -35,15 +38,20 @@ def _header(request: object) -> tuple[str, int | None]:
     return "[" + " ".join(parts) + "]", int(limit) if limit is not None else None
 
 
-def _response(piece: str, count: int) -> object:
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            pb_utils.Tensor("text_output", np.array([piece.encode("utf-8")], dtype=np.object_)),
+def _flag(request: object, name: str) -> bool:
+    array = _value(request, name)
+    return array is not None and bool(array.reshape(-1)[0])
+
+
+def _response(text: str, count: int, counters: bool) -> object:
+    tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+    if counters:
+        tensors += [
             pb_utils.Tensor("total_draft_tokens", np.array([DRAFTS_PER_PIECE * count], dtype=np.int32)),
             pb_utils.Tensor("total_accepted_draft_tokens", np.array([ACCEPTED_PER_PIECE * count], dtype=np.int32)),
             pb_utils.Tensor("acceptance_rate", np.array([ACCEPTED_PER_PIECE / DRAFTS_PER_PIECE], dtype=np.float32)),
         ]
-    )
+    return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
 class TritonPythonModel:
@@ -51,23 +59,19 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for request in requests:
             sender = request.get_response_sender()
-            stop = _value(request, "stop")
-            if stop is not None and bool(stop.reshape(-1)[0]):
-                sender.send(flags=final)
-                continue
-            exclude = _value(request, "sampling_param_exclude_input_from_output")
-            if exclude is None or not bool(exclude.reshape(-1)[0]):
-                error = pb_utils.TritonError("stand-in: the ensemble must send sampling_param_exclude_input_from_output=true")
-                sender.send(pb_utils.InferenceResponse(error=error), flags=final)
+            if _flag(request, "stop"):
+                cancelled = pb_utils.TritonError("Request cancelled by client", pb_utils.TritonError.CANCELLED)
+                sender.send(pb_utils.InferenceResponse(error=cancelled), flags=final)
                 continue
             header, limit = _header(request)
             prompt = _text(_value(request, "text_input"))
             pieces = [" " + word for word in [header, *reversed(prompt.split())]][:limit]
-            streaming = _value(request, "streaming")
-            if streaming is not None and bool(streaming.reshape(-1)[0]):
-                for count, piece in enumerate(pieces, start=1):
-                    sender.send(_response(piece, count))
-                sender.send(flags=final)
+            start = "" if _flag(request, "sampling_param_exclude_input_from_output") else prompt
+            counters = _flag(request, "sampling_param_return_perf_metrics")
+            if _flag(request, "streaming"):
+                for count in range(1, len(pieces) + 1):
+                    flags = final if count == len(pieces) else 0
+                    sender.send(_response(start + "".join(pieces[:count]), count, counters), flags=flags)
             else:
-                sender.send(_response("".join(pieces), len(pieces)), flags=final)
+                sender.send(_response(start + "".join(pieces), len(pieces), counters), flags=final)
         return None

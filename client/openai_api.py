@@ -4,8 +4,11 @@
 by server-sent events or answered whole, with `max_tokens`, `temperature`, `top_p`, `seed`, `stop` and `usage`.
 It tokenizes here (the repository holds the tokenizer), talks to the token-level `dflash` model over gRPC, so
 it fronts one replica or a fleet's balancer (and retries a request whose replica died, as the Python client
-does), and detokenizes incrementally. Errors come back in OpenAI's shape: {"error": {"message", "type", "param",
-"code"}}. The Gateway API Inference Extension and llm-d route on this API plus the `dflash` model's gauges.
+does), and detokenizes incrementally. A `--backend trtllm` repository has no token-level model: there the prompt
+goes as text through the `ensemble` (chat template rendered here, with the target's tokenizer from --tokenizer),
+TensorRT-LLM detokenizes, and the completion's tokens are counted here for `usage` and `finish_reason`. Errors
+come back in OpenAI's shape: {"error": {"message", "type", "param", "code"}}. The Gateway API Inference Extension
+and llm-d route on this API plus the `dflash` model's gauges.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, stream_tokens
+from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, stream_text, stream_tokens
 from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
@@ -110,45 +113,67 @@ class StopTrim:
 class Frontend:
     """The tokenizer, the chat template and where Triton is."""
 
-    def __init__(self, repo: Path, triton_url: str, model_name: str | None = None, default_max_tokens: int = 16) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        triton_url: str,
+        model_name: str | None = None,
+        default_max_tokens: int = 16,
+        tokenizer: str | None = None,
+    ) -> None:
         from dflash_trt.builder.repository import TOKENIZER_DIR, read_repository_manifest
         from transformers import AutoTokenizer
 
         manifest = read_repository_manifest(repo)
-        if manifest["backend"] == "trtllm":
+        self.text_level = manifest["backend"] == "trtllm"  # TensorRT-LLM: text through the ensemble
+        source = tokenizer or (repo / TOKENIZER_DIR if (repo / TOKENIZER_DIR).is_dir() else None)
+        if source is None:
             raise ValueError(
-                "a --backend trtllm repository has no token-level `dflash` model to front: TensorRT-LLM serves the "
-                "OpenAI API itself (`trtllm-serve serve MODEL --config trtllm-serve.yaml`, or Dynamo's frontend in "
-                "dynamo-agg.yaml)"
+                "this --backend trtllm repository holds no tokenizer: pass --tokenizer with the target's (a directory, "
+                f"or its hub id {manifest['target']['source']!r} where the hub cache has it)"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(repo / TOKENIZER_DIR)
-        self.eos = set(manifest["eos_token_ids"])
+        self.tokenizer = AutoTokenizer.from_pretrained(source)
+        self.eos = set(manifest.get("eos_token_ids", []))
         self.model = model_name or Path(manifest["target"]["source"]).name
         self.url, self.default_max_tokens, self.created = triton_url, default_max_tokens, int(time.time())
 
-    def prompt_ids(self, body: CompletionBody | ChatBody) -> list[int]:
+    def prompt(self, body: CompletionBody | ChatBody) -> tuple[str, list[int]]:
+        """The prompt as text (what a text-level model is sent) and as token ids (counted for `usage`)."""
         if isinstance(body, ChatBody):
             if not self.tokenizer.chat_template:
                 raise InvalidRequest(f"the model {self.model} has no chat template: use /v1/completions", "messages")
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text = str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1:
             raise InvalidRequest(f"{len(prompts)} prompts in one request: send one prompt per request", "prompt")
-        return list(self.tokenizer(prompts[0])["input_ids"])
+        return prompts[0], list(self.tokenizer(prompts[0])["input_ids"])
 
-    def generate(self, ids: list[int], request: Request) -> Iterator[tuple[str, str | None, int]]:
+    def generate(self, text: str, ids: list[int], request: Request) -> Iterator[tuple[str, str | None, int]]:
         """(text, finish_reason or None, completion tokens so far) per response from Triton."""
+        if self.text_level:
+            yield from self._generate_text(text, request)
+            return
         from dflash_trt.runtime.detokenize import TextStream
 
-        text, trim, generated, ended_by_eos = TextStream(self.tokenizer), StopTrim(request.stop_words), 0, False
+        text_stream, trim, generated, ended_by_eos = TextStream(self.tokenizer), StopTrim(request.stop_words), 0, False
         for piece in stream_tokens(self.url, ids, request):
             generated += len(piece["tokens"])
             ended_by_eos = ended_by_eos or any(t in self.eos for t in piece["tokens"])
-            yield trim.push(text.push(piece["tokens"]), last=False), None, generated
+            yield trim.push(text_stream.push(piece["tokens"]), last=False), None, generated
         tail = trim.push("", last=True)
         yield tail, "stop" if trim.stopped or ended_by_eos or generated < request.max_tokens else "length", generated
+
+    def _generate_text(self, prompt: str, request: Request) -> Iterator[tuple[str, str | None, int]]:
+        """The text-level path: the engine detokenizes; the completion's tokens are counted once it ended (a turn
+        shorter than max_tokens ended by itself: "stop")."""
+        trim, completion = StopTrim(request.stop_words), ""
+        for piece in stream_text(self.url, prompt, request):
+            completion += piece["text"]
+            yield trim.push(piece["text"], last=False), None, 0
+        tail, generated = trim.push("", last=True), len(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+        yield tail, "stop" if trim.stopped or generated < request.max_tokens else "length", generated
 
 
 def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
@@ -192,7 +217,7 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
                 "invalid_request_error",
                 "model",
             )
-        ids = frontend.prompt_ids(body)
+        text, ids = frontend.prompt(body)
         request = body.request(frontend.default_max_tokens)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -210,14 +235,14 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
             return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
 
         if not body.stream:
-            answers = list(frontend.generate(ids, replace(request, stream=False)))
+            answers = list(frontend.generate(text, ids, replace(request, stream=False)))
             _, finish, generated = answers[-1]
-            text = "".join(piece for piece, _, _ in answers)
+            completion = "".join(piece for piece, _, _ in answers)
             kind = "chat.completion" if chat else "text_completion"
-            return {**head, "object": kind, "choices": [choice(text, finish, False)], "usage": usage(generated)}
+            return {**head, "object": kind, "choices": [choice(completion, finish, False)], "usage": usage(generated)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
-        responses = frontend.generate(ids, request)
+        responses = frontend.generate(text, ids, request)
         first = next(responses)  # a refused request gets its HTTP error here, before the stream starts
 
         def events() -> Iterator[str]:
@@ -231,10 +256,10 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
                     }
                 )
             try:
-                for text, finish, tokens in itertools.chain([first], responses):
+                for piece, finish, tokens in itertools.chain([first], responses):
                     generated = tokens
-                    if text or finish:
-                        yield _sse({**head, "object": kind, "choices": [choice(text, finish, True)]})
+                    if piece or finish:
+                        yield _sse({**head, "object": kind, "choices": [choice(piece, finish, True)]})
             except ServerError as failure:
                 yield _sse({"error": {"message": str(failure), "type": "server_error", "param": None, "code": None}})
                 return
@@ -269,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
     parser.add_argument("--default-max-tokens", type=int, default=16, help="when a request sets none (OpenAI's default: 16)")
+    parser.add_argument(
+        "--tokenizer", help="the target's tokenizer (a directory or hub id): needed for a --backend trtllm repository"
+    )
     args = parser.parse_args(argv)
     try:
-        frontend = Frontend(args.repo, args.triton_url, args.served_model_name, args.default_max_tokens)
+        frontend = Frontend(args.repo, args.triton_url, args.served_model_name, args.default_max_tokens, args.tokenizer)
     except (FileNotFoundError, KeyError, OSError) as failure:
         print(f"dflash-openai: error: {args.repo} is not a dflash-build repository ({failure})", file=sys.stderr)
         return 2

@@ -229,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round")
-    engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
+    try:
+        engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
+    except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do
+        parser.error(str(refusal))
     if args.block_size is not None and args.block_size != engine.block_size:
         parser.error(
             f"--block-size {args.block_size}: this engine was built with block size {engine.block_size}; "

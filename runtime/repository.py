@@ -8,13 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dflash_trt.builder.repository import MANIFEST
 from dflash_trt.runtime.engine import EngineSpec, GraphEngine
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
 from dflash_trt.runtime.tensorrt_runner import TensorRTRunner, tensorrt_runtime_available
 
 
 def read_manifest(engine_dir: Path) -> dict[str, Any]:
+    """The manifest beside the engines, or a repository's own where it has no engines (--backend trtllm)."""
     path = engine_dir / "manifest.json"
+    if not path.is_file() and (engine_dir / MANIFEST).is_file():
+        path = engine_dir / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{engine_dir} has no manifest.json: it is not a (complete) dflash-build engine directory")
     manifest: dict[str, Any] = json.loads(path.read_text())
@@ -81,8 +85,8 @@ def load_engine(
     pool of `max_batch` slots (default: the build's --max-batch-size)."""
     engine_dir = engine_dir_of(path)
     manifest = read_manifest(engine_dir)
-    spec = EngineSpec.from_json(manifest["engine"])
     check_servable(manifest, engine_dir, device)
+    spec = EngineSpec.from_json(manifest["engine"])
     if manifest["backend"] == "torch-cuda":
         return load_torch_engine(engine_dir, spec, max_batch, torch_device(device)), manifest
     if manifest["backend"] == "tensorrt":

@@ -13,9 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 import yaml
 from dflash_trt.builder.checkpoints import parse_drafter_config, parse_target_config
@@ -38,6 +40,8 @@ from dflash_trt.runtime.serve import (
     wait_ready,
 )
 
+from tests.conftest import write_tiny_tokenizer
+
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
 REFERENCE = Path(__file__).resolve().parents[1] / "builder" / "trtllm_api" / f"tensorrt_llm-{TRTLLM_RELEASE}.json"
 STANDIN = Path(__file__).parent / "standins" / "llmapi"
@@ -50,6 +54,7 @@ BUILDS = {  # the issue's three: alias -> (extra flags)
     "qwen3.5-397b-a17b": ["--tp", "8"],
 }
 UNSTABLE_MANIFEST_KEYS = ("dflash_trt_version", "built_at")
+CHAT_TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +215,10 @@ def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories:
         start_server(repo, Ports(free_port(), free_port(), free_port()))
     command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repo)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "trtllm-serve serve MODEL --config trtllm-serve.yaml" in done.stderr
+    assert done.returncode == 2 and "holds no tokenizer: pass --tokenizer with the target's" in done.stderr
+    bench_command = [sys.executable, "-m", "dflash_trt.runtime.bench", "--repo", str(repo)]
+    bench = subprocess.run(bench_command, capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 2 and "TensorRT-LLM 1.4.0rc1 serves it, not this runtime" in bench.stderr, bench.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +291,47 @@ def test_dflash_client_streams_from_it(standin_server: Ports) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == " [top_k=1 max_tokens=3] three two\n"
     assert "tau n/a | acceptance rate 13.3% (6/45 draft tokens)" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def openai_client(repositories: dict[str, Path], standin_server: Ports, tmp_path_factory: pytest.TempPathFactory):
+    """dflash-openai in its own process on the 27B trtllm repository, with a tiny chat tokenizer as --tokenizer."""
+    tokenizer = tmp_path_factory.mktemp("tokenizer")
+    write_tiny_tokenizer(tokenizer)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+    port = free_port()
+    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repositories["qwen3.5-27b"]),
+               "--tokenizer", str(tokenizer), "--triton-url", f"localhost:{standin_server.grpc}",
+               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    front = subprocess.Popen(command)
+    deadline = time.perf_counter() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
+                break
+        except OSError:
+            assert front.poll() is None and time.perf_counter() < deadline, "dflash-openai did not start"
+            time.sleep(0.2)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    front.terminate()
+    front.wait(10)
+
+
+@pytest.mark.slow
+def test_openai_front_end_goes_through_the_ensemble_as_text(openai_client) -> None:
+    """Completions send the prompt as it is, chat renders the template here; the stand-in answers from what it got."""
+    [model] = openai_client.models.list().data
+    assert model.id == "Qwen3.5-27B"
+    whole = openai_client.completions.create(model=model.id, prompt="w5 w35 w89", max_tokens=3, temperature=0)
+    assert whole.choices[0].text == " [top_k=1 max_tokens=3] w89 w35"
+    assert whole.usage is not None and (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (3, 4)
+    assert whole.choices[0].finish_reason == "length"  # 4 tokens counted here for max_tokens 3
+    chat = openai_client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=9, temperature=0, stream=True
+    )
+    chunks = list(chat)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == " [top_k=1 max_tokens=9] w3 w2 w6 w5 w1"  # the template's "w1 w5 w6 w2 w3", reversed
+    assert chunks[-1].choices[0].finish_reason == "stop"  # 7 tokens < 9

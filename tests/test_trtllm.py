@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 from dflash_trt.builder.checkpoints import parse_drafter_config, parse_target_config
 from dflash_trt.builder.cli import main as dflash_build
@@ -29,7 +33,7 @@ from dflash_trt.builder.plan import DTYPE_BYTES, drafter_parameters, target_para
 from dflash_trt.builder.repository import MANIFEST
 from dflash_trt.builder.trtllm_args import TRTLLM_RELEASE, LlmapiModelYaml, LlmArgs, validated
 from dflash_trt.builder.trtllm_repository import TRTLLM_FILES
-from dflash_trt.client.triton_client import Request, ServerError, http_generate, stream_text
+from dflash_trt.client.triton_client import Request, ServerError, grpc_inputs, http_generate, stream_text
 from dflash_trt.runtime.serve import (
     Ports,
     dead_backend_stubs,
@@ -221,6 +225,11 @@ def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories:
     assert bench.returncode == 2 and "TensorRT-LLM 1.4.0rc1 serves it, not this runtime" in bench.stderr, bench.stderr[-2000:]
 
 
+class StandIn(NamedTuple):
+    ports: Ports
+    log: Path  # what the stand-in saw of stop requests
+
+
 @pytest.fixture(scope="module")
 def standin_server(repositories: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """The 27B repository served by its own launch.sh, in a mock of the container: the stand-in where the container
@@ -235,7 +244,8 @@ def standin_server(repositories: dict[str, Path], tmp_path_factory: pytest.TempP
     (root / "bin" / "tritonserver").symlink_to(triton.binary)
     path = os.pathsep.join([str(root / "bin"), str(Path(sys.executable).parent), os.environ["PATH"]])
     environment = {**os.environ, **triton.env, "PATH": path, "LLMAPI_MODEL_DIR": str(root / "llmapi"),
-                   "PYTHONPATH": str(root / "site"), "DFLASH_TRT_WORKDIR": str(root / "work")}  # fmt: skip
+                   "PYTHONPATH": str(root / "site"), "DFLASH_TRT_WORKDIR": str(root / "work"),
+                   "STANDIN_LLMAPI_LOG": str(root / "standin.log")}  # fmt: skip
     ports = Ports(free_port(), free_port(), free_port())
     flags = [f"--backend-directory={triton.backend_dir}", f"--http-port={ports.http}", f"--grpc-port={ports.grpc}",
              f"--metrics-port={ports.metrics}", "--allow-gpu-metrics=false", "--log-verbose=0"]  # fmt: skip
@@ -249,7 +259,7 @@ def standin_server(repositories: dict[str, Path], tmp_path_factory: pytest.TempP
         model_yaml = Path("tensorrt_llm") / "1" / "model.yaml"
         assert (root / "work" / model_yaml).read_text() == (repo / model_yaml).read_text()
         assert not (repo / "tensorrt_llm" / "config.pbtxt").exists(), "launch.sh leaves the repository as built"
-        yield ports
+        yield StandIn(ports, root / "standin.log")
     finally:
         dead = dead_backend_stubs(process.pid)
         code = stop_server(process)
@@ -263,8 +273,8 @@ def test_launch_script_refuses_outside_the_container(repositories: dict[str, Pat
 
 
 @pytest.mark.slow
-def test_ensemble_maps_the_contract_onto_llmapi(standin_server: Ports) -> None:
-    url = f"localhost:{standin_server.grpc}"
+def test_ensemble_maps_the_contract_onto_llmapi(standin_server: StandIn) -> None:
+    url = f"localhost:{standin_server.ports.grpc}"
     prompt = "alpha beta gamma delta"
     greedy = list(stream_text(url, prompt, Request(max_tokens=4)))  # temperature 0: greedy, sent as top_k 1
     assert [p["text"] for p in greedy] == [" [top_k=1 max_tokens=4]", " delta", " gamma", " beta"]
@@ -274,7 +284,7 @@ def test_ensemble_maps_the_contract_onto_llmapi(standin_server: Ports) -> None:
     sampled = Request(max_tokens=3, temperature=0.5, top_k=5, top_p=0.25, seed=7, stop_words=("x", "y"))
     header = "".join(p["text"] for p in stream_text(url, prompt, sampled)).split("]")[0]
     assert header == " [temperature=0.5 top_k=5 top_p=0.25 seed=7 max_tokens=3 stop=x|y"
-    base = f"http://localhost:{standin_server.http}"
+    base = f"http://localhost:{standin_server.ports.http}"
     assert http_generate(base, prompt, Request(max_tokens=2, stream=False))["text_output"] == " [top_k=1 max_tokens=2] delta"
     body = json.dumps({"text_input": prompt, "max_tokens": 2, "stream": False}).encode()  # exclude_input_in_output unset
     post = urllib.request.Request(f"{base}/v2/models/ensemble/generate", data=body, headers={"Content-Type": "application/json"})
@@ -285,8 +295,8 @@ def test_ensemble_maps_the_contract_onto_llmapi(standin_server: Ports) -> None:
 
 
 @pytest.mark.slow
-def test_dflash_client_streams_from_it(standin_server: Ports) -> None:
-    command = [sys.executable, "-m", "dflash_trt.client.cli", "one two three", "--url", f"localhost:{standin_server.grpc}"]
+def test_dflash_client_streams_from_it(standin_server: StandIn) -> None:
+    command = [sys.executable, "-m", "dflash_trt.client.cli", "one two three", "--url", f"localhost:{standin_server.ports.grpc}"]
     done = subprocess.run([*command, "--max-tokens", "3", "--stats"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == " [top_k=1 max_tokens=3] three two\n"
@@ -294,7 +304,7 @@ def test_dflash_client_streams_from_it(standin_server: Ports) -> None:
 
 
 @pytest.fixture(scope="module")
-def openai_client(repositories: dict[str, Path], standin_server: Ports, tmp_path_factory: pytest.TempPathFactory):
+def openai_client(repositories: dict[str, Path], standin_server: StandIn, tmp_path_factory: pytest.TempPathFactory):
     """dflash-openai in its own process on the 27B trtllm repository, with a tiny chat tokenizer as --tokenizer."""
     tokenizer = tmp_path_factory.mktemp("tokenizer")
     write_tiny_tokenizer(tokenizer)
@@ -303,7 +313,7 @@ def openai_client(repositories: dict[str, Path], standin_server: Ports, tmp_path
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     port = free_port()
     command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repositories["qwen3.5-27b"]),
-               "--tokenizer", str(tokenizer), "--triton-url", f"localhost:{standin_server.grpc}",
+               "--tokenizer", str(tokenizer), "--triton-url", f"localhost:{standin_server.ports.grpc}",
                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     front = subprocess.Popen(command)
     deadline = time.perf_counter() + 60
@@ -335,3 +345,25 @@ def test_openai_front_end_goes_through_the_ensemble_as_text(openai_client) -> No
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == " [top_k=1 max_tokens=9] w3 w2 w6 w5 w1"  # the template's "w1 w5 w6 w2 w3", reversed
     assert chunks[-1].choices[0].finish_reason == "stop"  # 7 tokens < 9
+
+
+@pytest.mark.slow
+def test_a_cancelled_stream_stops_the_llmapi_request(standin_server: StandIn) -> None:
+    """Triton does not pass a client's cancellation on to a model the ensemble calls: the ensemble sends llmapi a stop
+    request with the request's id (llmapi's way), and the stand-in's stream for it ends early."""
+    client = grpcclient.InferenceServerClient(f"localhost:{standin_server.ports.grpc}")
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    words = " ".join(f"w{i}" for i in range(200))  # 200 pieces, 0.02 s apart: 4 s if nothing stops it
+    fields = {**Request(200).fields(), "exclude_input_in_output": True}
+    client.async_stream_infer("ensemble", grpc_inputs("text_input", np.array([words.encode()], dtype=object), fields))
+    answers.get(timeout=30)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.perf_counter() + 3
+    while not (standin_server.log.is_file() and "cut" in standin_server.log.read_text()):
+        assert time.perf_counter() < deadline, "the stand-in's stream was never stopped"
+        time.sleep(0.05)
+    lines = standin_server.log.read_text().split()
+    stopped, cut, pieces = lines[1], lines[lines.index("cut") + 1], int(lines[lines.index("cut") + 2])
+    assert stopped == cut and stopped.startswith("ensemble-") and pieces < 100

@@ -24,7 +24,7 @@ from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_draft
 from dflash_trt.builder.export import package_exported
 from dflash_trt.builder.export_cache import ExportCache, cached_export, key_record
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
-from dflash_trt.builder.models import ALIASES, pair_configs, resolve_pair
+from dflash_trt.builder.models import ALIASES, looks_like_hub_id, pair_configs, resolve_pair
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.parallel_export import export_engines_onnx
 from dflash_trt.builder.parallel_plan import (
@@ -285,7 +285,8 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
     if args.plan:
         return None
     fraction = kv_cache_fraction(plan, memory, args.max_batch_size)
-    pair = ServedPair(model=alias.target if alias else args.model, drafter=drafter_spec, name=args.model)
+    name = args.model if alias or looks_like_hub_id(args.model) else Path(args.model).expanduser().resolve().name
+    pair = ServedPair(model=alias.target if alias else args.model, drafter=drafter_spec, name=name)
     llm = llm_args(pair, parallel, block, args.max_batch_size, args.max_seq_len, fraction)
     manifest = {
         "backend": "trtllm",

@@ -35,7 +35,7 @@ EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-
 SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def _looks_like_hub_id(spec: str) -> bool:
+def looks_like_hub_id(spec: str) -> bool:
     return spec.count("/") == 1 and not spec.startswith((".", "/", "~"))
 
 
@@ -79,7 +79,7 @@ def pair_configs(model: str, drafter: str | None, shipped: bool = False) -> tupl
             configs.append(read_config_json(Path(spec).expanduser()))
         elif spec == EMBEDDED_TARGET:
             configs.append(read_config_json(embedded_target_dir()))
-        elif _looks_like_hub_id(spec):
+        elif looks_like_hub_id(spec):
             configs.append(_hub_config(spec))
             if configs[-1] is None:
                 missing.append(spec)
@@ -121,7 +121,7 @@ def resolve_checkpoint(spec: str) -> Path:
         return path
     if spec == EMBEDDED_TARGET:
         return embedded_target_dir()
-    if _looks_like_hub_id(spec):
+    if looks_like_hub_id(spec):
         return fetch_from_hub(spec)
     known = ", ".join([EMBEDDED_TARGET, *ALIASES])
     raise CheckpointError(f"{spec!r} is neither a directory, a known model ({known}), nor a hub id ORG/NAME")

@@ -17,6 +17,7 @@ loads the checkpoints itself in its container. Written, from the configs alone:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -82,13 +83,21 @@ _BlockStrings.add_representer(
 )
 
 
+def kubernetes_name(served: str) -> str:
+    """A served model's name as a Kubernetes object name (RFC 1123 label, room left for '-engine-args')."""
+    name = re.sub(r"[^a-z0-9-]+", "-", served.lower()).strip("-")[:50].strip("-")
+    if not name:
+        raise ValueError(f"{served!r} gives no Kubernetes name: serve it under a name with letters or digits")
+    return name
+
+
 def _yaml(data: object) -> str:
     return yaml.dump(data, Dumper=_BlockStrings, sort_keys=False, default_flow_style=False)
 
 
 def dynamo_deployment(pair: ServedPair, parallel: Parallelism, args_text: str, image: str) -> str:
     """A ConfigMap holding the LLM arguments and the aggregated DynamoGraphDeployment that mounts them."""
-    name = pair.name.lower().replace(".", "-").replace("/", "-").replace("_", "-")
+    name = kubernetes_name(pair.name)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -27,12 +27,12 @@ import yaml
 from dflash_trt.builder.checkpoints import parse_drafter_config, parse_target_config
 from dflash_trt.builder.cli import main as dflash_build
 from dflash_trt.builder.kubernetes import Deployment, problems, render, strict_schema, validate_tree, write_tree
-from dflash_trt.builder.models import pair_configs
+from dflash_trt.builder.models import SHIPPED_CONFIGS, pair_configs
 from dflash_trt.builder.parallel_plan import Parallelism, check_parallelism, rank_plan, smallest_tp
 from dflash_trt.builder.plan import DTYPE_BYTES, drafter_parameters, target_parameters
 from dflash_trt.builder.repository import MANIFEST
 from dflash_trt.builder.trtllm_args import TRTLLM_RELEASE, LlmapiModelYaml, LlmArgs, validated
-from dflash_trt.builder.trtllm_repository import TRTLLM_FILES
+from dflash_trt.builder.trtllm_repository import TRTLLM_FILES, kubernetes_name
 from dflash_trt.client.triton_client import Request, ServerError, grpc_inputs, http_generate, stream_text
 from dflash_trt.runtime.serve import (
     Ports,
@@ -211,6 +211,21 @@ def test_kubernetes_overlay_runs_launch_script_on_every_gpu(repositories: dict[s
     assert {v["name"] for v in pod["volumes"]} == {"models", "shm", "trtllm-repo"}
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/models", "/dev/shm", "/trtllm-repo"}
     assert all(not found for found in validate_tree(tmp_path, ("1.30", "1.37"), CRDS).values())
+
+
+def test_local_checkpoint_directories_are_served_as_given(tmp_path: Path) -> None:
+    """--model/--drafter as directories: the files name them as given (the container must see them there), and the
+    Dynamo objects take a valid Kubernetes name from the directory's."""
+    target, drafter = SHIPPED_CONFIGS / "qwen3.5-122b-a10b" / "target", SHIPPED_CONFIGS / "qwen3.5-122b-a10b" / "drafter"
+    command = ["--model", str(target), "--drafter", str(drafter), "--backend", "trtllm", "--tp", "4", "--ep", "4"]
+    assert dflash_build([*command, "--max-seq-len", "4096", "--output", str(tmp_path / "repo")]) == 0
+    args = yaml.safe_load((tmp_path / "repo" / "trtllm-serve.yaml").read_text())
+    assert args["model"] == str(target) and args["speculative_config"]["speculative_model"] == str(drafter)
+    objects = list(yaml.safe_load_all((tmp_path / "repo" / "dynamo-agg.yaml").read_text()))
+    assert [o["metadata"]["name"] for o in objects] == ["target-engine-args", "target"]
+    assert kubernetes_name("Qwen/Qwen3.5_122B.A10B") == "qwen-qwen3-5-122b-a10b"
+    with pytest.raises(ValueError, match="gives no Kubernetes name"):
+        kubernetes_name("...")
 
 
 def test_dflash_serve_refuses_the_repository_naming_what_serves_it(repositories: dict[str, Path]) -> None:

@@ -8,7 +8,12 @@ acceptance histogram; TTFT and inter-token latency; and whether T=0 outputs were
 every step (`--verify full`). Prompts go through the target's chat template, formatted as z-lab's benchmark does.
 `--against transformers` adds eager transformers `generate()`, `--against zlab` the z-lab `dflash` reference
 (transformers backend) on the same pair and prompts, each in a process of its own with the engine's thread
-count (recorded in the results). `--plot` writes a PNG (acceptance histogram, tok/s)."""
+count (recorded in the results). `--plot` writes a PNG (acceptance histogram, tok/s).
+
+A `dflash-build --backend trtllm` repository runs in TensorRT-LLM's container, not here: `--served HOST:PORT
+--tokenizer TARGET` then streams the prompts as text through its ensemble and reports what a client sees (decode
+tok/s with tokens counted by the target's tokenizer, TTFT, the acceptance rate TensorRT-LLM reports); there is no
+plain decoding on the same engine to compare with."""
 
 from __future__ import annotations
 
@@ -23,16 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_repository_manifest
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
-from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
+from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, VerifyPolicy
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[float, float]:
@@ -107,6 +112,55 @@ def served_rates(
         "served_ttft_ms_median": statistics.median(ttfts) * 1e3,
         "served_identical": outputs == plain_outputs,
     }
+
+
+def served_text_rates(url: str, texts: list[str], max_tokens: int, tokenizer: PreTrainedTokenizerBase) -> dict[str, object]:
+    """Stream the prompts as text through a served ensemble (a --backend trtllm repository): decode tok/s after the
+    first response (its tokens counted with `tokenizer`), TTFT, and the draft acceptance the engine reports."""
+    from dflash_trt.client.triton_client import Request, Timing, stream_text
+
+    rates, ttfts, accepted, drafted = [], [], 0, 0
+    for text in texts:
+        timing = Timing()
+        pieces = list(stream_text(url, text, Request(max_tokens), timing))
+        first = len(tokenizer(pieces[0]["text"], add_special_tokens=False)["input_ids"])
+        tokens = len(tokenizer("".join(p["text"] for p in pieces), add_special_tokens=False)["input_ids"])
+        rates.append((tokens - first) / max(timing.arrivals[-1] - timing.arrivals[0], 1e-9))
+        ttfts.append(timing.ttft)
+        accepted += int(pieces[-1].get("total_accepted_draft_tokens", 0))
+        drafted += int(pieces[-1].get("total_draft_tokens", 0))
+    return {
+        "served_tok_s_median": statistics.median(rates),
+        "served_ttft_ms_median": statistics.median(ttfts) * 1e3,
+        "served_acceptance_rate": accepted / drafted if drafted > 0 else "not reported",
+    }
+
+
+def bench_served_repository(args: argparse.Namespace, parser: argparse.ArgumentParser, manifest: dict[str, Any]) -> int:
+    """A repository another engine serves (--backend trtllm): measured as a client through its ensemble."""
+    if not (args.served and args.tokenizer):
+        parser.error(
+            f"{args.repo} is served by TensorRT-LLM in its container, not run here: pass --served HOST:PORT (its "
+            "tritonserver's gRPC port) and --tokenizer (the target's) to measure it as a client does"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    try:
+        texts = [prompt_text(tokenizer, text) for text in dataset_prompts(args.dataset, args.num_prompts)]
+    except (ValueError, RuntimeError) as error:
+        parser.error(str(error))
+    results: dict[str, Any] = {
+        "backend": manifest["backend"],
+        "parallel": manifest.get("parallel"),
+        "served": args.served,
+        "dataset": args.dataset,
+        "prompts": len(texts),
+        "max_tokens": args.max_tokens,
+        **served_text_rates(args.served, texts, args.max_tokens, tokenizer),
+    }
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
 
 
 @dataclass
@@ -210,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also run this baseline on the same prompts, in a process of its own with the engine's thread count",
     )
     parser.add_argument("--served", metavar="HOST:PORT", help="also stream the prompts from a dflash-serve gRPC endpoint")
+    parser.add_argument("--tokenizer", help="a --backend trtllm repository: the target's tokenizer (directory or hub id)")
     parser.add_argument(
         "--concurrency",
         help="comma-separated client counts (e.g. 1,4,16,64): measure in-flight batching under load instead "
@@ -229,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round")
+    repository = read_repository_manifest(args.repo) if (args.repo / MANIFEST).is_file() else {}
+    if repository.get("backend") == "trtllm":
+        return bench_served_repository(args, parser, repository)
     try:
         engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
     except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do

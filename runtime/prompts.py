@@ -81,11 +81,15 @@ def dataset_prompts(dataset: str, count: int) -> list[str]:
     return file_prompts(path, count)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = True) -> list[int]:
-    """Token ids of a user prompt: through the tokenizer's chat template (if it has one and `chat`), else raw."""
+def prompt_text(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = True) -> str:
+    """A user prompt as the target reads it: through the tokenizer's chat template (if it has one and `chat`), else raw."""
     if chat and tokenizer.chat_template:
-        templated = str(
-            tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        )
-        return list(tokenizer(templated, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+        messages = [{"role": "user", "content": text}]
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return text
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat: bool = True) -> list[int]:
+    """Token ids of `prompt_text` (special tokens added only to a raw prompt: a chat template writes its own)."""
+    templated = chat and bool(tokenizer.chat_template)
+    return list(tokenizer(prompt_text(tokenizer, text, chat), add_special_tokens=not templated)["input_ids"])

@@ -267,6 +267,11 @@ def build(args: argparse.Namespace) -> Path | None:
 
 def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None) -> Path | None:
     """--backend trtllm: plan the ranks, then (without --plan) write the TensorRT-LLM repository."""
+    if args.quantize != "none" or args.quantize_drafter:
+        raise ValueError(
+            "--quantize/--quantize-drafter quantize this toolkit's own engines; TensorRT-LLM loads quantized weights "
+            "from the checkpoint: pass a quantized checkpoint (e.g. an FP8 one) as --model"
+        )
     parallel = Parallelism(args.tp, args.pp, args.ep)
     check_parallelism(target, parallel)
     alias = ALIASES.get(args.model.lower())

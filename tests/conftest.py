@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
+import openai
 import pytest
 import torch
 
@@ -160,3 +165,25 @@ def running_server(repo: Path, log_dir: Path, unary: bool = False) -> Iterator[P
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         assert not dead_stubs, f"Python-backend stubs died while the tests ran (pids {dead_stubs}); the end of {log}:\n{tail}"
         assert code == 0, f"tritonserver exited with code {code}; the end of {log}:\n{tail}"
+
+
+@contextmanager
+def openai_front_end(repo: Path, triton_grpc: int, *extra: str) -> Iterator[openai.OpenAI]:
+    """dflash-openai on `repo` in its own process, fronting tritonserver's gRPC port; the real `openai` client on it."""
+    port = free_port()
+    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repo), "--port", str(port),
+               "--triton-url", f"localhost:{triton_grpc}", "--host", "127.0.0.1", *extra]  # fmt: skip
+    front = subprocess.Popen(command)
+    try:
+        deadline = time.perf_counter() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
+                    break
+            except OSError:
+                assert front.poll() is None and time.perf_counter() < deadline, "dflash-openai did not start"
+                time.sleep(0.2)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        front.terminate()
+        front.wait(10)

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +14,10 @@ from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.client.triton_client import Request, stream_text
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.serve import Ports, free_port
+from dflash_trt.runtime.serve import Ports
 from transformers import AutoTokenizer
 
-from tests.conftest import running_server
+from tests.conftest import openai_front_end, running_server
 
 pytestmark = pytest.mark.slow
 TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
@@ -47,20 +43,8 @@ def triton(chat_repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def client(chat_repo: Path, triton: Ports) -> Iterator[openai.OpenAI]:
-    port = free_port()
-    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(chat_repo), "--port", str(port)]
-    front = subprocess.Popen([*command, "--triton-url", f"localhost:{triton.grpc}", "--host", "127.0.0.1"])
-    deadline = time.perf_counter() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
-                break
-        except OSError:
-            assert front.poll() is None and time.perf_counter() < deadline, "dflash-openai did not start"
-            time.sleep(0.2)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    front.terminate()
-    front.wait(10)
+    with openai_front_end(chat_repo, triton.grpc) as front:
+        yield front
 
 
 def test_completions_equal_the_engine_streaming_or_not(client: openai.OpenAI, chat_repo: Path) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import yaml
@@ -45,7 +44,7 @@ from dflash_trt.runtime.serve import (
     wait_ready,
 )
 
-from tests.conftest import write_tiny_tokenizer
+from tests.conftest import openai_front_end, write_tiny_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
 REFERENCE = Path(__file__).resolve().parents[1] / "builder" / "trtllm_api" / f"tensorrt_llm-{TRTLLM_RELEASE}.json"
@@ -175,7 +174,9 @@ def test_bad_requests_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         dflash_build(["--model", "qwen3.5-27b", "--tp", "2", "--output", str(tmp_path / "c")])
     assert "add --backend trtllm" in capsys.readouterr().err
-    assert not any((tmp_path / name).exists() for name in "abc")
+    assert _build("qwen3.5-27b", tmp_path / "d", "--quantize", "int8") == 2
+    assert "TensorRT-LLM loads quantized weights from the checkpoint" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "abcd")
 
 
 def test_dynamo_deployment_validates_against_its_crd(repositories: dict[str, Path]) -> None:
@@ -327,22 +328,8 @@ def openai_client(repositories: dict[str, Path], standin_server: StandIn, tmp_pa
     config = json.loads((tokenizer / "tokenizer_config.json").read_text())
     config["chat_template"] = CHAT_TEMPLATE
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
-    port = free_port()
-    command = [sys.executable, "-m", "dflash_trt.client.openai_api", "--repo", str(repositories["qwen3.5-27b"]),
-               "--tokenizer", str(tokenizer), "--triton-url", f"localhost:{standin_server.ports.grpc}",
-               "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    front = subprocess.Popen(command)
-    deadline = time.perf_counter() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1):
-                break
-        except OSError:
-            assert front.poll() is None and time.perf_counter() < deadline, "dflash-openai did not start"
-            time.sleep(0.2)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    front.terminate()
-    front.wait(10)
+    with openai_front_end(repositories["qwen3.5-27b"], standin_server.ports.grpc, "--tokenizer", str(tokenizer)) as front:
+        yield front
 
 
 @pytest.mark.slow

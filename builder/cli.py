@@ -49,7 +49,7 @@ from dflash_trt.builder.repository import (
 )
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
 from dflash_trt.builder.trtllm_args import TRTLLM_CONTAINER, TRTLLM_RELEASE
-from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, kv_cache_fraction, llm_args, write_trtllm_repository
+from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, llm_args, write_trtllm_repository
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
 from transformers import AutoTokenizer
@@ -289,7 +289,7 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
         print(f"[dflash-build] note: {UNTESTED_TP_NOTE}", file=sys.stderr)
     if args.plan:
         return None
-    fraction = kv_cache_fraction(plan, memory, args.max_batch_size)
+    fraction = plan.kv_cache_fraction(memory, args.max_batch_size)
     name = args.model if alias or looks_like_hub_id(args.model) else Path(args.model).expanduser().resolve().name
     pair = ServedPair(model=alias.target if alias else args.model, drafter=drafter_spec, name=name)
     llm = llm_args(pair, parallel, block, args.max_batch_size, args.max_seq_len, fraction)

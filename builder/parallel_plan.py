@@ -20,6 +20,8 @@ from dflash_trt.builder.drafter_init import drafter_config_dict
 from dflash_trt.builder.plan import DTYPE_BYTES, MemoryPlan, drafter_parameters, human_bytes, memory_plan, target_parameters
 
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+MAX_KV_CACHE_FRACTION = 0.9  # TensorRT-LLM's default: the rest of the free memory is its activation workspace
+KV_CACHE_HEADROOM = 1.1  # the cache asked for covers the planned sequences with 10% to spare
 UNTESTED_TP_NOTE = (
     "DFlash at TP > 1 is young upstream: the DFlash 2 pull request (TensorRT-LLM #18155) calls it untested; smoke-test "
     "TP 2 on your GPUs before relying on a larger one"
@@ -87,7 +89,22 @@ class RankPlan:
     drafter_counted: bool
 
     def sequences_that_fit(self, memory_bytes: int) -> int:
-        return max(0, (memory_bytes - self.weight_bytes) // max(1, self.state.bytes_per_sequence))
+        """Sequences the KV cache this plan asks TensorRT-LLM for can hold: at most MAX_KV_CACHE_FRACTION of what the
+        weights leave, with KV_CACHE_HEADROOM to spare (what `dflash-build` writes, so what it accepts)."""
+        usable = MAX_KV_CACHE_FRACTION * (memory_bytes - self.weight_bytes) / KV_CACHE_HEADROOM
+        return max(0, int(usable // max(1, self.state.bytes_per_sequence)))
+
+    def kv_cache_fraction(self, memory_bytes: int, sequences: int) -> float:
+        """TensorRT-LLM's free_gpu_memory_fraction for `sequences` sequences (headroom included), or a clear error."""
+        if sequences > self.sequences_that_fit(memory_bytes):
+            p = self.parallel
+            raise ValueError(
+                f"--max-batch-size {sequences} sequences do not fit on one rank of TP {p.tp} x PP {p.pp} in --gpu-memory "
+                f"({self.sequences_that_fit(memory_bytes)} would): lower --max-batch-size or --max-seq-len, or raise --tp "
+                "(see --plan)"
+            )
+        need = sequences * self.state.bytes_per_sequence * KV_CACHE_HEADROOM
+        return max(0.05, math.ceil(100 * need / (memory_bytes - self.weight_bytes)) / 100)
 
 
 def rank_plan(
@@ -138,7 +155,7 @@ def describe_ranks(plan: RankPlan, dtype: str, max_seq_len: int, memory_bytes: i
         ("target attention K/V per token per rank", human_bytes(plan.state.kv_bytes_per_token)),
         ("drafter context K/V per token per rank", human_bytes(plan.state.draft_bytes_per_token)),
         ("recurrent state per sequence per rank", human_bytes(plan.state.recurrent_bytes_per_sequence)),
-        (f"sequences of {max_seq_len} tokens per rank in {human_bytes(memory_bytes)}", str(fit)),
+        (f"sequences of {max_seq_len} tokens per rank in {human_bytes(memory_bytes)} (90% of the rest, 10% spare)", str(fit)),
         (f"smallest TP that fits {sequences} sequences", str(smallest) if smallest else "none up to 64"),
     ]
     width = max(len(name) for name, _ in rows)

@@ -16,19 +16,16 @@ loads the checkpoints itself in its container. Written, from the configs alone:
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
 import yaml
-from dflash_trt.builder.parallel_plan import Parallelism, RankPlan
+from dflash_trt.builder.parallel_plan import Parallelism
 from dflash_trt.builder.repository import templates_dir, write_manifest, write_templates
 from dflash_trt.builder.trtllm_args import TRTLLM_CONTAINER, TRTLLM_RELEASE, LlmapiModelYaml, LlmArgs, validated
 
-KV_CACHE_HEADROOM = 1.1  # the cache fraction asked for covers the planned sequences with 10% to spare
-MAX_KV_CACHE_FRACTION = 0.9  # TensorRT-LLM's default: the rest of the free memory is its activation workspace
 DYNAMO_IMAGE = "nvcr.io/nvidia/ai-dynamo/tensorrtllm-runtime:1.3.1"  # Dynamo's own trtllm example tag
 TRTLLM_FILES = ("tensorrt_llm/1/model.yaml", "trtllm-serve.yaml", "launch.sh", "dynamo-agg.yaml", "ensemble/config.pbtxt")
 
@@ -40,19 +37,6 @@ class ServedPair:
     model: str
     drafter: str
     name: str  # the served model's name (Dynamo, trtllm-serve)
-
-
-def kv_cache_fraction(plan: RankPlan, memory_bytes: int, sequences: int) -> float:
-    """The share of the memory left after the weights that `sequences` sequences need on one rank (with headroom)."""
-    free = memory_bytes - plan.weight_bytes
-    need = sequences * plan.state.bytes_per_sequence * KV_CACHE_HEADROOM
-    if free <= 0 or need > MAX_KV_CACHE_FRACTION * free:
-        fit = plan.sequences_that_fit(int(memory_bytes * MAX_KV_CACHE_FRACTION))
-        raise ValueError(
-            f"--max-batch-size {sequences} sequences do not fit on one rank of TP {plan.parallel.tp} x PP {plan.parallel.pp} "
-            f"in --gpu-memory ({fit} would): lower --max-batch-size or --max-seq-len, or raise --tp (see --plan)"
-        )
-    return max(0.05, math.ceil(100 * need / free) / 100)
 
 
 def llm_args(

@@ -150,6 +150,11 @@ def test_rank_plan_shards_weights_and_state() -> None:
     assert plan.state.recurrent_bytes_per_sequence == 36 * (16 * 128 * 128 * 4 + 3 * (2 * 2048 + 8192) * 2 // 4)
     assert smallest_tp(*_configs("qwen3.5-397b-a17b"), "bfloat16", 32768, 16, 141 * 10**9, 16) == 8
     assert smallest_tp(*_configs("qwen3.5-27b"), "bfloat16", 32768, 16, 141 * 10**9, 16) == 1
+    one_gpu = rank_plan(*_configs("qwen3.5-27b"), "bfloat16", 32768, 16, Parallelism())
+    fit = one_gpu.sequences_that_fit(141 * 10**9)  # what the plan prints is what a build accepts, and no more
+    assert 0 < one_gpu.kv_cache_fraction(141 * 10**9, fit) <= 0.9
+    with pytest.raises(ValueError, match=rf"do not fit on one rank of TP 1 x PP 1 in --gpu-memory \({fit} would\)"):
+        one_gpu.kv_cache_fraction(141 * 10**9, fit + 1)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ loads the checkpoints itself in its container. Written, from the configs alone:
   code (model.py, config.pbtxt) ships in the container under /app/all_models/llmapi/ and is copied in by
   `launch.sh` when the server starts; this project never holds a copy.
 - `ensemble/`: our front model, the same contract as an ONNX Runtime repository's (tensorrtllm_backend's names),
-  mapped onto llmapi's inputs and outputs, so dflash-client, dflash-bench and dflash-openai work unchanged.
+  mapped onto llmapi's inputs and outputs: dflash-client works unchanged; dflash-openai and dflash-bench --served
+  also need the target's tokenizer (--tokenizer), which such a repository does not hold.
 - `launch.sh`: run inside nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3 (GPUs, the project pip-installed).
 - `trtllm-serve.yaml`: the same LLM arguments for `trtllm-serve serve MODEL --config trtllm-serve.yaml`.
 - `dynamo-agg.yaml`: a ConfigMap with those arguments and an aggregated Dynamo DynamoGraphDeployment (nvidia.com/

@@ -286,8 +286,8 @@ def _moe_config(raw: dict[str, Any]) -> MoeConfig:
 
 def require_buildable(config: TargetConfig, where: str = "target") -> None:
     """Refuse a target this toolkit reads but does not build into its own engines (ONNX Runtime, TensorRT, torch)."""
-    if config.model_type.removesuffix("_text") in NOT_BUILT_HERE:
-        kind = config.model_type.removesuffix("_text")
+    kind = config.model_type.removesuffix("_text")  # the wrapper's type and its text model's read alike
+    if kind in NOT_BUILT_HERE:
         raise CheckpointError(f"{where}: model_type {kind!r} is not supported yet: {NOT_BUILT_HERE[kind]}")
 
 

@@ -2,8 +2,10 @@
 
 1. prompt sets ("code": standard-library functions; "prose": writing tasks; disjoint from HumanEval/MT-Bench)
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
-3. train with many random anchors per sequence, position-weighted CE               (resumable: OUTPUT/checkpoint.pt)
-4. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
+3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
+4. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens
+                                                                                   (resumable: OUTPUT/checkpoint.pt)
+5. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import DrafterNetwork, load_target
-from dflash_trt.builder.train_data import PROMPT_SETS
+from dflash_trt.builder.train_data import CORPORA, PROMPT_SETS, corpus_windows
 from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
 from dflash_trt.runtime.prompts import encode_prompt
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -86,6 +89,19 @@ def load_or_generate(
     return data
 
 
+def tapping_progress(interval_s: float = 30.0) -> Callable[[int, int], None]:
+    """make_examples' progress callback: a log line every interval_s seconds and at the end."""
+    last_report = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last_report
+        if done == total or time.perf_counter() - last_report >= interval_s:
+            last_report = time.perf_counter()
+            log(f"tapped {done}/{total} sequences")
+
+    return report
+
+
 def save_checkpoint(
     path: Path, drafter: DrafterNetwork, optimizer: torch.optim.Optimizer, generator: torch.Generator, step: int
 ) -> None:
@@ -118,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         help="built-in prompt sets the target answers (each is generated and cached on its own)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=0, help="prompts taken from each set (0: all)")
+    parser.add_argument(
+        "--corpus", nargs="*", choices=sorted(CORPORA), default=[],
+        help="real text the target reads (teacher-forced) beside its own answers",
+    )  # fmt: skip
+    parser.add_argument("--corpus-tokens", type=int, default=262144, help="tokens taken from each corpus")
+    parser.add_argument("--corpus-window", type=int, default=512, help="tokens per corpus sequence")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--generation-batch", type=int, default=32, help="prompts answered together")
     parser.add_argument("--steps", type=int, default=1000)
@@ -149,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             sequences += data["sequences"]
             prompt_lengths += data["prompt_lengths"]
+        for corpus in args.corpus:
+            windows = corpus_windows(tokenizer, CORPORA[corpus](), args.corpus_window, args.corpus_tokens)
+            if not windows:
+                message = f"corpus '{corpus}' has no text of {args.corpus_window} tokens; pass a smaller --corpus-window"
+                raise CheckpointError(message)
+            log(f"corpus '{corpus}': {len(windows)} windows of {args.corpus_window} tokens, read teacher-forced")
+            sequences += [torch.tensor(ids) for ids in windows]
+            prompt_lengths += [1] * len(windows)  # a block needs some context before its anchor
     except CheckpointError as error:
         print(f"dflash-train: error: {error}", file=sys.stderr)
         return 2
@@ -156,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter = init_drafter(config, seed=args.seed)
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
-    log("tapping the target over every training sequence ...")
-    examples = make_examples(target, sequences, prompt_lengths)
+    log(f"tapping the target over {len(sequences)} training sequences ({sum(len(t) for t in sequences)} tokens) ...")
+    examples = make_examples(
+        target, sequences, prompt_lengths, taps_dtype=getattr(torch, args.compute_dtype), progress=tapping_progress()
+    )
     settings = TrainSettings(
         args.steps, args.learning_rate, args.sequences_per_step, args.anchors,
         seed=args.seed, compute_dtype=getattr(torch, args.compute_dtype),

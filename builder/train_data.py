@@ -4,6 +4,11 @@
   signature and the first paragraph of its docstring, plus a fixed list of generic programming instructions.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
+
+Corpora are real text the target reads (teacher-forced) instead of answering: a forward over a window is far
+cheaper than generating as many tokens, and training follows the target's greedy predictions in it.
+- "stdlib-source": the source of the running Python's top-level standard-library modules (code, docstrings and
+  comments), in file-name order.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sysconfig
 from collections.abc import Callable
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
     "bisect", "calendar", "colorsys", "difflib", "fnmatch", "fractions", "functools", "glob", "hashlib", "heapq",
@@ -112,3 +121,28 @@ def prose_prompts() -> list[str]:
 
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"code": code_prompts, "prose": prose_prompts}
+
+
+def stdlib_source_texts() -> list[str]:
+    """The source of every top-level module of this Python's standard library, sorted by file name."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [path.read_text(encoding="utf-8", errors="replace") for path in sorted(root.glob("*.py"))]
+
+
+CORPORA: dict[str, Callable[[], list[str]]] = {"stdlib-source": stdlib_source_texts}
+
+
+def corpus_windows(tokenizer: PreTrainedTokenizerBase, texts: list[str], window: int, budget: int) -> list[list[int]]:
+    """Whole windows of `window` tokens (no special tokens) cut from each text, taken round-robin over the texts
+    (every text's first window, then every text's second, ...) until `budget` tokens are taken: a budget smaller
+    than the corpus still draws from all of it. Deterministic for the same texts and tokenizer."""
+    per_text = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        per_text.append([ids[start : start + window] for start in range(0, len(ids) - window + 1, window)])
+    windows: list[list[int]] = []
+    for index in range(max((len(w) for w in per_text), default=0)):
+        for text_windows in per_text:
+            if index < len(text_windows) and (len(windows) + 1) * window <= budget:
+                windows.append(text_windows[index])
+    return windows

@@ -1,11 +1,16 @@
 """DFlash drafter training (the objective of the DFlash paper, on the inference networks themselves).
 
-Target frozen (embedding and lm_head too). Data: sequences whose responses the target generated itself.
-Per sequence, many random anchors a; block = [token_at_a, MASK x (B-1)] at positions a..a+B-1; a block sees
-the context strictly before a plus itself. The anchors of one sequence are the batch rows of one drafter
-forward over the shared, position-indexed context cache, with ctx_len = a masking what each block may see
-(the sparse block mask, expressed by the same code that drafts at inference). Loss: cross-entropy on slots
-k = 1..B-1 weighted exp(-(k-1)/gamma).
+Target frozen (embedding and lm_head too). Data: sequences whose responses the target generated itself, and
+real text the target reads (teacher-forced). Per sequence, many random anchors a; block = [token_at_a, MASK x
+(B-1)] at positions a..a+B-1; a block sees the context strictly before a plus itself. The anchors of one sequence
+are the batch rows of one drafter forward over the shared, position-indexed context cache, with ctx_len = a
+masking what each block may see (the sparse block mask, expressed by the same code that drafts at inference).
+
+Labels are the target's greedy tokens: slot k of the block at a is trained towards the target's argmax at a+k
+given the sequence's tokens before it, and only while that is what greedy decoding from a would have produced,
+i.e. while every token a+1..a+k-1 of the sequence is itself the target's argmax (always, in the target's own
+responses; in real text, up to the first token the target would not have written). Loss: cross-entropy on those
+slots, slot k weighted exp(-(k-1)/gamma).
 """
 
 from __future__ import annotations
@@ -68,17 +73,25 @@ def generate_responses(
 
 @dataclass(frozen=True)
 class TrainingExample:
-    tokens: torch.Tensor  # [L]: prompt + the target's own response
+    tokens: torch.Tensor  # [L]: prompt + the target's own response, or real text
     taps: torch.Tensor  # [L, n_taps*E]: the drafter's context for every position
+    labels: torch.Tensor  # [L]: the target's greedy token for each position given tokens before it ([0]: tokens[0])
     first_anchor: int  # blocks start in the response: anchors >= the prompt length
 
 
 @torch.no_grad()
 def make_examples(
-    target: TargetNetwork, sequences: list[torch.Tensor], prompt_lengths: list[int], batch_size: int = 8
+    target: TargetNetwork,
+    sequences: list[torch.Tensor],
+    prompt_lengths: list[int],
+    batch_size: int = 8,
+    taps_dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[TrainingExample]:
-    """Tap every position of each sequence; sequences go through the target in right-padded batches (causal
-    attention: padding after a sequence cannot change its taps)."""
+    """Tap every position of each sequence and read the target's greedy prediction there; sequences go through
+    the target in right-padded batches (causal attention: padding after a sequence cannot change its taps).
+    taps_dtype: how the taps are kept (bfloat16 halves their memory and changes nothing for a drafter trained
+    under bfloat16 autocast, whose first use of them is a matmul in bfloat16). progress(done, total) after each batch."""
     examples = []
     for first in range(0, len(sequences), batch_size):
         batch = sequences[first : first + batch_size]
@@ -87,9 +100,15 @@ def make_examples(
         for row, tokens in enumerate(batch):
             ids[row, : tokens.shape[0]] = tokens
         positions = torch.arange(longest).expand(len(batch), -1)
-        taps = target(ids, positions, target.allocate_cache(len(batch), 0).past(0), logits_to_keep=1).taps  # [b, longest, n*E]
+        out = target(ids, positions, target.allocate_cache(len(batch), 0).past(0))  # taps [b, longest, n*E]
+        predicted = out.logits.argmax(-1)  # [b, longest]: the target's token for position p + 1
         for row, tokens in enumerate(batch):
-            examples.append(TrainingExample(tokens, taps[row, : tokens.shape[0]].clone(), prompt_lengths[first + row]))
+            length = tokens.shape[0]
+            labels = torch.cat([tokens[:1], predicted[row, : length - 1]])  # [L]
+            taps = out.taps[row, :length].to(taps_dtype).clone()
+            examples.append(TrainingExample(tokens, taps, labels, prompt_lengths[first + row]))
+        if progress is not None:
+            progress(len(examples), len(sequences))
     return examples
 
 
@@ -112,10 +131,11 @@ def dflash_block_loss(
     target: TargetNetwork,
     tokens: torch.Tensor,
     taps: torch.Tensor,
+    labels: torch.Tensor,
     anchors: torch.Tensor,
     weights: torch.Tensor,
 ) -> LossTerms:
-    """tokens: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
+    """tokens, labels: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
     size = drafter.config.block_size
     length = tokens.shape[0]
     ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(length)[None])  # [Ld, 1, L, Hkv, D]
@@ -128,12 +148,44 @@ def dflash_block_loss(
         embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale  # [K, B, E]
     ctx_k, ctx_v = ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1)  # shared by all K blocks
     hidden = drafter(embeds, positions, ctx_k, ctx_v, anchors)  # block k sees context positions < anchor k
-    logits = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config)  # [K, B-1, V]
-    labels = tokens[positions[:, 1:]]  # [K, B-1]: slot j predicts the token at its own position
-    per_slot = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(count, size - 1)
-    loss = (per_slot * weights).sum(-1).mean() / weights.sum()
-    accuracy = (logits[:, 0].argmax(-1) == labels[:, 0]).float().mean().item()
+    trained = greedy_slots(tokens, labels, anchors, size)  # [K, B-1]
+    logits = draft_logits(hidden[:, 1:][trained], target.lm_head.weight, drafter.config)  # [N, V]: trained slots only
+    targets = labels[positions[:, 1:]][trained]  # [N]: slot j predicts the target's token at its own position
+    per_slot = F.cross_entropy(logits.float(), targets, reduction="none")  # [N]
+    slot_weight = weights.expand(count, -1)[trained]  # [N]
+    loss = (per_slot * slot_weight).sum() / (count * weights.sum())  # an untrained slot adds nothing
+    first_slot = trained.flatten().cumsum(0).view(count, -1)[:, 0] - 1  # [K]: each block's slot 1 among the N
+    accuracy = (logits[first_slot].argmax(-1) == targets[first_slot]).float().mean().item()
     return LossTerms(loss, accuracy)
+
+
+def greedy_slots(tokens: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """tokens, labels: [L], anchors: [K] -> [K, B-1] bool: slot k of the block at a is trained while greedy
+    decoding from a would reach it, i.e. while tokens a+1..a+k-1 all equal the target's greedy labels."""
+    agrees = tokens == labels  # [L]
+    inner = anchors[:, None] + torch.arange(1, block_size - 1)  # [K, B-2]: positions a+1..a+B-2
+    reached = agrees[inner].long().cumprod(-1).bool()  # [K, B-2]
+    return torch.cat([torch.ones_like(reached[:, :1]), reached], dim=-1)
+
+
+@torch.no_grad()
+def greedy_acceptance(
+    drafter: DrafterNetwork, target: TargetNetwork, example: TrainingExample, anchors: torch.Tensor
+) -> torch.Tensor:
+    """anchors: [K] with a + B - 1 < L -> [K]: how many drafts of the block at each anchor greedy verification
+    accepts (leading slots whose draft argmax is the target's greedy token; the sequence must be the target's own
+    greedy answer from the anchors on)."""
+    size = drafter.config.block_size
+    ctx_k, ctx_v = drafter.context_kv(example.taps[None], torch.arange(example.tokens.shape[0])[None])
+    block = torch.full((anchors.shape[0], size), drafter.config.mask_token_id, dtype=torch.long)  # [K, B]
+    block[:, 0] = example.tokens[anchors]
+    embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale
+    positions = anchors[:, None] + torch.arange(size)  # [K, B]
+    count = anchors.shape[0]
+    hidden = drafter(embeds, positions, ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1), anchors)
+    drafts = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config).argmax(-1)  # [K, B-1]
+    matches = drafts == example.labels[positions[:, 1:]]
+    return matches.long().cumprod(-1).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -182,7 +234,7 @@ def train_drafter(
         with autocast:
             terms = [
                 dflash_block_loss(
-                    drafter, target, e.tokens, e.taps,
+                    drafter, target, e.tokens, e.taps, e.labels,
                     sample_anchors(generator, e.tokens.shape[0], size, settings.anchors_per_sequence, e.first_anchor), weights,
                 )
                 for e in chosen

@@ -1,6 +1,7 @@
 """dflash-train: batched data generation equals one-prompt-at-a-time greedy decoding, batched taps equal
-single-sequence taps, the CLI writes a z-lab drafter, resumes from its checkpoint as if never stopped and is
-reproducible, and its prompts are the same in every process."""
+single-sequence taps, labels are the target's greedy tokens and only slots greedy decoding reaches are trained,
+corpora are cut into windows from every text, the CLI writes a z-lab drafter, resumes from its checkpoint as if
+never stopped and is reproducible, and its prompts are the same in every process."""
 
 from __future__ import annotations
 
@@ -16,7 +17,17 @@ import torch
 from dflash_trt.builder import train_cli
 from dflash_trt.builder.networks import load_drafter, load_target
 from dflash_trt.builder.train_cli import main as dflash_train
-from dflash_trt.builder.training import generate_responses, make_examples
+from dflash_trt.builder.train_data import corpus_windows
+from dflash_trt.builder.training import (
+    dflash_block_loss,
+    generate_responses,
+    greedy_acceptance,
+    greedy_slots,
+    make_examples,
+    slot_weights,
+)
+
+from tests.conftest import write_tiny_drafter
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +55,105 @@ def test_batched_taps_equal_single_sequence_taps(qwen3_target) -> None:  # noqa:
         torch.testing.assert_close(example.taps, alone.taps, atol=1e-5, rtol=1e-5)
 
 
+def test_labels_are_the_targets_greedy_tokens(qwen3_target) -> None:  # noqa: ANN001
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(1, 90, (6,), generator=generator).tolist()
+    answer = generate_responses(qwen3_target, [prompt], 24)[0]  # [30]: the target's own greedy answer
+    real = torch.randint(1, 90, (30,), generator=generator)  # text the target did not write
+    own, read = make_examples(qwen3_target, [answer, real], [6, 1])
+    for example in (own, read):
+        positions = torch.arange(30)[None]
+        logits = qwen3_target(example.tokens[None], positions, qwen3_target.allocate_cache(1, 0).past(0)).logits[0]
+        assert example.labels[0] == example.tokens[0]
+        assert example.labels[1:].tolist() == logits[:-1].argmax(-1).tolist()  # label p: the argmax after p - 1
+    assert own.labels[6:].tolist() == answer[6:].tolist()  # its own answer: every label is the token itself ...
+    assert greedy_slots(own.tokens, own.labels, torch.arange(6, 15), 16).all()  # ... so every slot is trained
+    assert (read.labels != read.tokens).sum() > 10  # random text: the target would have written other tokens
+
+
+def test_only_slots_that_greedy_decoding_reaches_are_trained() -> None:
+    tokens = torch.arange(100, 140)
+    labels = tokens.clone()
+    labels[4] = 0  # the target would not have written the token at 4: greedy decoding never goes past it
+    slots = greedy_slots(tokens, labels, torch.tensor([0, 2, 4, 10]), 8)  # [4, 7]: slots 1..7
+    assert slots.tolist() == [
+        [True, True, True, True, False, False, False],  # anchor 0: slots at 1..4 (4 is trained, towards label 0)
+        [True, True, False, False, False, False, False],  # anchor 2: slots at 3, 4
+        [True] * 7,  # anchor 4: the anchor itself may be any token
+        [True] * 7,
+    ]
+
+
+def test_untrained_slots_do_not_move_the_loss(tiny_targets: dict[str, Path], qwen3_target, tmp_path: Path) -> None:  # noqa: ANN001
+    drafter = load_drafter(write_tiny_drafter(tiny_targets["qwen3"], tmp_path / "d", target_layer_ids=[1, 3]))
+    generator = torch.Generator().manual_seed(6)
+    example = make_examples(qwen3_target, [torch.randint(1, 90, (40,), generator=generator)], [1])[0]
+    anchors, weights = torch.tensor([2, 9, 17]), slot_weights(16, 7.0)
+    trained = greedy_slots(example.tokens, example.labels, anchors, 16)
+    assert not trained.all()  # random text: some slots are past a token the target would not write
+
+    def loss(labels: torch.Tensor) -> float:
+        return dflash_block_loss(drafter, qwen3_target, example.tokens, example.taps, labels, anchors, weights).loss.item()
+
+    def untrained_everywhere(position: int) -> bool:  # covered by a block, trained in none
+        covering = [(i, position - a - 1) for i, a in enumerate(anchors.tolist()) if a < position <= a + 15]
+        return bool(covering) and not any(trained[i, slot] for i, slot in covering)
+
+    disagreeing = (example.tokens != example.labels).nonzero()[:, 0].tolist()  # relabelled, still disagreeing:
+    positions = [p for p in disagreeing if untrained_everywhere(p)]  # which slots are trained does not change
+    assert positions
+    other = example.labels.clone()
+    for position in positions:
+        other[position] = next(t for t in range(1, 90) if t not in (int(example.tokens[position]), int(other[position])))
+    assert greedy_slots(example.tokens, other, anchors, 16).equal(trained)
+    assert loss(other) == loss(example.labels)  # a label greedy decoding never reaches is not trained on
+    first_slot = example.labels.clone()
+    first_slot[int(anchors[0]) + 1] = (first_slot[int(anchors[0]) + 1] + 1) % 90
+    assert loss(first_slot) != loss(example.labels)
+
+
+def test_greedy_acceptance_counts_leading_drafts_equal_to_the_targets_tokens(
+    tiny_targets: dict[str, Path],
+    qwen3_target,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    drafter = load_drafter(write_tiny_drafter(tiny_targets["qwen3"], tmp_path / "d", target_layer_ids=[1, 3]))
+    answer = generate_responses(qwen3_target, [[3, 7, 11]], 30)[0]
+    example = make_examples(qwen3_target, [answer], [3])[0]
+    anchors = torch.arange(3, 18)
+    accepted = greedy_acceptance(drafter, qwen3_target, example, anchors)  # [15]
+    with torch.no_grad():
+        ctx_k, ctx_v = drafter.context_kv(example.taps[None], torch.arange(33)[None])
+        for anchor, count in zip(anchors.tolist(), accepted.tolist(), strict=True):  # one block at a time
+            block = torch.tensor([[int(answer[anchor])] + [drafter.config.mask_token_id] * 15])
+            embeds = qwen3_target.embed_tokens(block) * drafter.config.input_embedding_scale
+            hidden = drafter(embeds, anchor + torch.arange(16)[None], ctx_k, ctx_v, torch.tensor([anchor]))
+            drafts = (hidden[0, 1:] @ qwen3_target.lm_head.weight.T).argmax(-1).tolist()
+            truth = answer[anchor + 1 : anchor + 16].tolist()
+            expected = next((k for k, (d, t) in enumerate(zip(drafts, truth, strict=True)) if d != t), 15)
+            assert count == expected
+
+
+def test_corpus_windows_draw_from_every_text_within_the_budget(tiny_targets: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_targets["qwen3"])
+    texts = [" ".join(f"w{i % 50}" for i in range(n)) for n in (40, 7, 25)]  # 40, 7 and 25 tokens
+    windows = corpus_windows(tokenizer, texts, 8, 10_000)
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    assert len(windows) == sum(n // 8 for n in lengths) and all(len(w) == 8 for w in windows)
+    first = tokenizer(texts[0], add_special_tokens=False)["input_ids"]
+    third = tokenizer(texts[2], add_special_tokens=False)["input_ids"]
+    assert windows[0] == first[:8] and windows[1] == third[:8] and windows[2] == first[8:16]  # round-robin
+    assert corpus_windows(tokenizer, texts, 8, 24) == windows[:3]  # a budget takes whole windows, in that order
+    assert corpus_windows(tokenizer, texts, 64, 10_000) == []
+
+
 def _train(target: Path, output: Path, steps: int) -> None:
     command = ["--target", str(target), "--output", str(output), "--num-prompts", "6", "--max-new-tokens", "24",
                "--layers", "1", "--steps", str(steps), "--save-every", "4", "--sequences-per-step", "2",
-               "--anchors", "4", "--generation-batch", "5", "--dtype", "float32", "--mask-token-id", "95"]  # fmt: skip
+               "--anchors", "4", "--generation-batch", "5", "--dtype", "float32", "--mask-token-id", "95",
+               "--corpus", "stdlib-source", "--corpus-tokens", "96", "--corpus-window", "24"]  # fmt: skip
     assert dflash_train(command) == 0
 
 
@@ -72,6 +178,8 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     first_log = capsys.readouterr().err
     assert "the target answers 6 'code' prompts (24 tokens each)" in first_log
     assert "the target answers 6 'prose' prompts (24 tokens each)" in first_log
+    assert "corpus 'stdlib-source': 4 windows of 24 tokens, read teacher-forced" in first_log
+    assert "tapping the target over 16 training sequences" in first_log
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", first_log)]
     assert len(losses) == 1 and losses[0] > 0  # step 8 of 8 reported with its loss
 

@@ -1,0 +1,71 @@
+"""How well drafters follow the target on benchmark prompts, without building an engine (torch, CPU or GPU).
+
+The target answers each prompt greedily (chat template, --max-tokens new tokens); every drafter then drafts a
+block at every position of those answers. Printed per drafter, as one JSON line:
+- tau_full_block: mean tokens per step of a greedy loop that verifies the whole block every step (what
+  `dflash-bench --verify full` measures on the engine, up to kernel rounding);
+- per_anchor: mean accepted drafts + 1 over every anchor of the answers (smoother than tau, same scale);
+- slot_acceptance: fraction of anchors whose first k drafts are all accepted, k = 1..4.
+
+    python scripts/drafter_acceptance.py --drafter builder/drafters/smollm2-135m-dflash /tmp/new \\
+        --dataset humaneval --num-prompts 20 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from dflash_trt.builder.models import resolve_checkpoint
+from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.builder.training import generate_responses, greedy_acceptance, make_examples
+from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
+from transformers import AutoTokenizer
+
+
+def loop_tau(accepted: torch.Tensor, first_anchor: int, block_size: int) -> list[int]:
+    """accepted: [L - B + 1] accepted drafts at every anchor -> tokens per step of the whole-block greedy loop."""
+    steps, anchor = [], first_anchor
+    while anchor < accepted.shape[0]:
+        steps.append(int(accepted[anchor]) + 1)
+        anchor += steps[-1]
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", nargs="+", type=Path, required=True)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--dataset", default="humaneval")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    target_dir = resolve_checkpoint(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [encode_prompt(tokenizer, text) for text in dataset_prompts(args.dataset, args.num_prompts)]
+    plain = load_target(target_dir, dtype=torch.float32)
+    answers = generate_responses(plain, prompts, args.max_tokens)  # batched: equal to one prompt at a time
+    for drafter_dir in args.drafter:
+        drafter = load_drafter(drafter_dir, torch.float32)
+        target = load_target(target_dir, tuple(drafter.config.target_layer_ids), torch.float32)
+        examples = make_examples(target, answers, [len(p) for p in prompts])
+        size = drafter.config.block_size
+        per_anchor, steps, slot_hits = [], [], torch.zeros(4)
+        for example in examples:
+            anchors = torch.arange(example.tokens.shape[0] - size + 1)
+            accepted = greedy_acceptance(drafter, target, example, anchors)  # [L - B + 1]
+            in_answer = accepted[example.first_anchor :]
+            per_anchor += (in_answer + 1).tolist()
+            slot_hits += torch.stack([(in_answer >= k).sum() for k in range(1, 5)]).float()
+            steps += loop_tau(accepted, example.first_anchor, size)
+        print(json.dumps({
+            "drafter": str(drafter_dir), "dataset": args.dataset, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "tau_full_block": round(sum(steps) / len(steps), 3), "per_anchor": round(sum(per_anchor) / len(per_anchor), 3),
+            "slot_acceptance": [round(float(h) / len(per_anchor), 3) for h in slot_hits],
+        }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

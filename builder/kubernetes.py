@@ -10,9 +10,9 @@ their offline validation.
     DIR/overlays/gateway/     + the dflash-openai container, GRPCRoute, HTTPRoute and an InferencePool
     DIR/overlays/kserve/      ServingRuntime + InferenceService (KServe runs the pods; no base)
 
-and for a `dflash-build --backend trtllm` repository instead (TensorRT-LLM serves it; its llmapi model exports no
-dflash gauges and has no token-level model for dflash-openai, so the autoscaling, gateway and KServe overlays are
-not written):
+and for a `dflash-build --backend trtllm` repository instead (TensorRT-LLM serves it; its llmapi model exports none
+of the `dflash_*` gauges that the autoscalers and the InferencePool read, so the autoscaling, gateway and KServe
+overlays are not written; `dflash-openai --tokenizer` can still front it by hand):
 
     DIR/overlays/trtllm/      the pod as the TensorRT-LLM container runs it: the repository's launch.sh, every GPU
                               of its --tp x --pp, shared memory for NCCL, a writable copy of the repository

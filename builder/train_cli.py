@@ -89,6 +89,19 @@ def load_or_generate(
     return data
 
 
+def compute_dtype(requested: str) -> torch.dtype:
+    """The training's autocast dtype. 'auto': bfloat16 where torch's CPU kernels compute it with AVX-512, float32
+    elsewhere: on an AVX2-only CPU a bfloat16 matmul falls back to a scalar path (measured on an AMD EPYC Zen 3, 2
+    threads: the drafter's LM-head product [960, 576] x [576, 49152], forward and backward, 63.7 s in bfloat16
+    against 0.82 s in float32)."""
+    if requested != "auto":
+        return getattr(torch, requested)
+    capability = torch.backends.cpu.get_cpu_capability()
+    chosen = torch.bfloat16 if capability.startswith("AVX512") else torch.float32
+    log(f"compute dtype {str(chosen).removeprefix('torch.')} (this CPU's torch kernels: {capability})")
+    return chosen
+
+
 def tapping_progress(interval_s: float = 30.0) -> Callable[[int, int], None]:
     """make_examples' progress callback: a log line every interval_s seconds and at the end."""
     last_report = time.perf_counter()
@@ -149,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--compute-dtype", choices=("float32", "bfloat16"), default="bfloat16",
-        help="autocast dtype of the training forward/backward (weights and optimizer stay float32)",
+        "--compute-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+        help="autocast dtype of the training forward/backward (weights and optimizer stay float32); "
+        "auto: bfloat16 on CPUs with AVX-512, float32 elsewhere",
     )  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="dtype of the written drafter")
     args = parser.parse_args(argv)
@@ -186,14 +200,12 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter = init_drafter(config, seed=args.seed)
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
+    dtype = compute_dtype(args.compute_dtype)
     log(f"tapping the target over {len(sequences)} training sequences ({sum(len(t) for t in sequences)} tokens) ...")
-    examples = make_examples(
-        target, sequences, prompt_lengths, taps_dtype=getattr(torch, args.compute_dtype), progress=tapping_progress()
-    )
+    examples = make_examples(target, sequences, prompt_lengths, taps_dtype=dtype, progress=tapping_progress())
     settings = TrainSettings(
-        args.steps, args.learning_rate, args.sequences_per_step, args.anchors,
-        seed=args.seed, compute_dtype=getattr(torch, args.compute_dtype),
-    )  # fmt: skip
+        args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed, compute_dtype=dtype
+    )
 
     checkpoint_path = args.output / "checkpoint.pt"
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.learning_rate, weight_decay=0.0)

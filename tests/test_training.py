@@ -149,6 +149,14 @@ def test_corpus_windows_draw_from_every_text_within_the_budget(tiny_targets: dic
     assert corpus_windows(tokenizer, texts, 64, 10_000) == []
 
 
+def test_auto_compute_dtype_avoids_bfloat16_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 matmuls on an AVX2-only CPU take ~75x as long as float32 ones: 'auto' trains in float32 there."""
+    for capability, expected in (("AVX2", torch.float32), ("AVX512", torch.bfloat16), ("DEFAULT", torch.float32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert train_cli.compute_dtype("auto") is expected
+    assert train_cli.compute_dtype("bfloat16") is torch.bfloat16 and train_cli.compute_dtype("float32") is torch.float32
+
+
 def _train(target: Path, output: Path, steps: int) -> None:
     command = ["--target", str(target), "--output", str(output), "--num-prompts", "6", "--max-new-tokens", "24",
                "--layers", "1", "--steps", str(steps), "--save-every", "4", "--sequences-per-step", "2",

@@ -123,7 +123,8 @@ def trained_drafter(tiny_targets: dict[str, Path], tmp_path_factory: pytest.Temp
     target = load_target(tiny_targets["qwen3"], drafter.config.target_layer_ids)
     prompts = torch.randint(1, 90, (64, 16), generator=torch.Generator().manual_seed(0))
     sequences = generate_responses(target, prompts.tolist(), 64)
-    train_drafter(drafter, target, make_examples(target, list(sequences), [1] * len(sequences)), TrainSettings(steps=300))
+    examples = make_examples(target, list(sequences), [1] * len(sequences))
+    train_drafter(drafter, target, examples, TrainSettings(steps=300, compute_dtype=torch.float32))  # AVX2: see compute_dtype
     output = tmp_path_factory.mktemp("trained") / "d"
     config = json.loads((untrained / "config.json").read_text())
     save_drafter(drafter, config, output)

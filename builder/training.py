@@ -136,18 +136,8 @@ def dflash_block_loss(
     weights: torch.Tensor,
 ) -> LossTerms:
     """tokens, labels: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
-    size = drafter.config.block_size
-    length = tokens.shape[0]
-    ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(length)[None])  # [Ld, 1, L, Hkv, D]
-    count = anchors.shape[0]
-    slots = torch.arange(size)
-    positions = anchors[:, None] + slots  # [K, B]
-    block = torch.full((count, size), drafter.config.mask_token_id, dtype=torch.long)
-    block[:, 0] = tokens[anchors]
-    with torch.no_grad():
-        embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale  # [K, B, E]
-    ctx_k, ctx_v = ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1)  # shared by all K blocks
-    hidden = drafter(embeds, positions, ctx_k, ctx_v, anchors)  # block k sees context positions < anchor k
+    size, count = drafter.config.block_size, anchors.shape[0]
+    hidden, positions = draft_blocks(drafter, target, tokens, taps, anchors)  # [K, B, E], [K, B]
     trained = greedy_slots(tokens, labels, anchors, size)  # [K, B-1]
     logits = draft_logits(hidden[:, 1:][trained], target.lm_head.weight, drafter.config)  # [N, V]: trained slots only
     targets = labels[positions[:, 1:]][trained]  # [N]: slot j predicts the target's token at its own position
@@ -157,6 +147,22 @@ def dflash_block_loss(
     first_slot = trained.flatten().cumsum(0).view(count, -1)[:, 0] - 1  # [K]: each block's slot 1 among the N
     accuracy = (logits[first_slot].argmax(-1) == targets[first_slot]).float().mean().item()
     return LossTerms(loss, accuracy)
+
+
+def draft_blocks(
+    drafter: DrafterNetwork, target: TargetNetwork, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens: [L], taps: [L, n*E], anchors: [K] -> (hidden [K, B, E], positions [K, B]): one drafter forward over
+    the blocks [token_at_a, MASK x (B-1)], each seeing the context strictly before its anchor."""
+    size, count = drafter.config.block_size, anchors.shape[0]
+    ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(tokens.shape[0])[None])  # [Ld, 1, L, Hkv, D]
+    positions = anchors[:, None] + torch.arange(size)  # [K, B]
+    block = torch.full((count, size), drafter.config.mask_token_id, dtype=torch.long)
+    block[:, 0] = tokens[anchors]
+    with torch.no_grad():
+        embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale  # [K, B, E]
+    ctx_k, ctx_v = ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1)  # shared by all K blocks
+    return drafter(embeds, positions, ctx_k, ctx_v, anchors), positions  # block k sees context positions < anchor k
 
 
 def greedy_slots(tokens: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -175,14 +181,7 @@ def greedy_acceptance(
     """anchors: [K] with a + B - 1 < L -> [K]: how many drafts of the block at each anchor greedy verification
     accepts (leading slots whose draft argmax is the target's greedy token; the sequence must be the target's own
     greedy answer from the anchors on)."""
-    size = drafter.config.block_size
-    ctx_k, ctx_v = drafter.context_kv(example.taps[None], torch.arange(example.tokens.shape[0])[None])
-    block = torch.full((anchors.shape[0], size), drafter.config.mask_token_id, dtype=torch.long)  # [K, B]
-    block[:, 0] = example.tokens[anchors]
-    embeds = target.embed_tokens(block) * drafter.config.input_embedding_scale
-    positions = anchors[:, None] + torch.arange(size)  # [K, B]
-    count = anchors.shape[0]
-    hidden = drafter(embeds, positions, ctx_k.expand(-1, count, -1, -1, -1), ctx_v.expand(-1, count, -1, -1, -1), anchors)
+    hidden, positions = draft_blocks(drafter, target, example.tokens, example.taps, anchors)  # [K, B, E], [K, B]
     drafts = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config).argmax(-1)  # [K, B-1]
     matches = drafts == example.labels[positions[:, 1:]]
     return matches.long().cumprod(-1).sum(-1)

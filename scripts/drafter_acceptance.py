@@ -25,7 +25,7 @@ from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from transformers import AutoTokenizer
 
 
-def loop_tau(accepted: torch.Tensor, first_anchor: int, block_size: int) -> list[int]:
+def loop_tau(accepted: torch.Tensor, first_anchor: int) -> list[int]:
     """accepted: [L - B + 1] accepted drafts at every anchor -> tokens per step of the whole-block greedy loop."""
     steps, anchor = [], first_anchor
     while anchor < accepted.shape[0]:
@@ -59,7 +59,7 @@ def main() -> None:
             in_answer = accepted[example.first_anchor :]
             per_anchor += (in_answer + 1).tolist()
             slot_hits += torch.stack([(in_answer >= k).sum() for k in range(1, 5)]).float()
-            steps += loop_tau(accepted, example.first_anchor, size)
+            steps += loop_tau(accepted, example.first_anchor)
         print(json.dumps({
             "drafter": str(drafter_dir), "dataset": args.dataset, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "tau_full_block": round(sum(steps) / len(steps), 3), "per_anchor": round(sum(per_anchor) / len(per_anchor), 3),

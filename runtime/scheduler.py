@@ -114,13 +114,16 @@ class AdaptiveVerify:
     step runs. To keep both current, the policy now and then looks `explore_extra` drafts beyond the chosen k
     (two steps: one that drafts them, one that verifies them) or, every other time, below it, but only once
     the steps since the last look have cost `explore_budget` times what the look costs: exploring stays within
-    about 1/explore_budget of the time.
+    about 1/explore_budget of the time. Every look made at a batch size since its choice became what it is doubles
+    that budget there, up to `2**quiet_looks_limit` times: where drafting never pays (a code drafter on chat
+    traffic) looks fade from ~1% of the time to under 0.1%; once the choice changes, they are as frequent as at first.
     """
 
     block_size: int
     costs: StepCosts = field(default_factory=StepCosts)
     explore_extra: int = 2
     explore_budget: float = 100.0
+    quiet_looks_limit: int = 4  # at most this many doublings of explore_budget
     decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
     evidence_floor: float = 8.0  # observations per position that decay leaves (see _learn_acceptance)
     warmup_rows: int = 8  # rows of drafting steps before the policy weighs acceptance
@@ -130,7 +133,9 @@ class AdaptiveVerify:
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
+    looking_at: int = 0  # the k it verifies
     looks: int = 0  # explorations so far (odd ones look below the chosen k)
+    quiet_looks: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch -> (k chosen, looks since)
     drafted_rows: int = 0  # rows of the steps that verified at least one draft
     shapes_run: set[tuple[str, int, int, int]] = field(default_factory=set)  # (graph, batch, width, drafted) seen
 
@@ -188,14 +193,20 @@ class AdaptiveVerify:
         if any(np.isnan(r) for r in rates):
             return self.block_size - 1  # a cost not measured yet: verify everything and measure
         best = int(np.argmax(rates))
-        below = self.looks % 2 == 1 and best > 0
-        look = max(best - self.explore_extra, 0) if below else min(best + self.explore_extra, self.block_size - 1)
+        around = [min(best + self.explore_extra, self.block_size - 1), max(best - self.explore_extra, 0)]  # above, below
+        if self.looks % 2 == 1:
+            around.reverse()  # odd looks look below first
+        look = next((k for k in around if k != best), best)
         if self.exploring:
             self.exploring -= 1
-            return look
+            return self.looking_at  # a look's second step verifies what its first drafted
         extra = abs((self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0))
-        if look != best and self.since_look >= self.explore_budget * 2 * extra:
-            self.since_look, self.exploring, self.looks = 0.0, 1, self.looks + 1
+        chosen, looked = self.quiet_looks.get(batch, (best, 0))
+        quiet = looked if chosen == best else 0  # looks at this batch size since its choice became `best`
+        budget = self.explore_budget * 2 ** min(quiet, self.quiet_looks_limit)
+        if look != best and self.since_look >= budget * 2 * extra:
+            self.since_look, self.exploring, self.looks, self.looking_at = 0.0, 1, self.looks + 1, look
+            self.quiet_looks[batch] = (best, quiet + 1)
             return look
         return best
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dflash_trt.builder.graphs import torch_engine
@@ -157,6 +158,58 @@ def test_adaptive_verify_is_not_switched_on_by_one_lucky_draft() -> None:
     for _ in range(30):
         policy.observe("step", 1, 3, 0.033, [2], drafted=2)
     assert policy.choose(1) > 0
+
+
+def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
+    """Drafts never accepted: each look that leaves the choice at k = 0 doubles the time to the next one, up to
+    2**quiet_looks_limit times; once drafts are accepted and the choice changes, looks are as frequent as at first."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=10.0, warmup_rows=0)
+    costs = [0.024] + [0.031 + 0.001 * k for k in range(1, 16)]  # seconds of a step verifying k drafts
+    for k, seconds in enumerate(costs):
+        policy.costs.record(f"run{k}", 1, seconds)
+
+    def look_times(steps: int, accepted: int) -> list[float]:
+        """Seconds of steps run before each look began (drafts beyond the first `accepted` rejected)."""
+        clock, began = 0.0, []
+        for _ in range(steps):
+            looks = policy.looks
+            k = policy.choose(1)
+            if policy.looks > looks:
+                began.append(clock)
+            policy.observe("step" if k else "verify", 1, 1 + k, costs[k], [min(accepted, k)], drafted=k)
+            clock += costs[k]
+        return began
+
+    began = look_times(2000, accepted=0)
+    base = policy.explore_budget * 2 * (costs[2] - costs[0])  # steps' seconds before a look, at first
+    gaps = [b - a for a, b in zip([0.0, *began], began)]
+    assert [round(g / base) for g in gaps] == [1, 2, 4, 8] + [16] * (len(gaps) - 4), "doubling, at most 16x"
+    assert len(gaps) > 6
+    assert policy.choose(1) == 0
+    policy.accepted[1:4] = policy.reached[1:4]  # drafts 1-3 now always accepted: drafting pays
+    policy.accepted[4:] = 0.0
+    best = int(np.argmax(policy.expected_rates(1)))
+    assert best == 3
+    began = look_times(200, accepted=3)
+    assert began[0] == 0.0, "the steps since the last look already pay for a look at the new choice"
+    gaps = [b - a for a, b in zip(began, began[1:])]
+    below, above = costs[best] - costs[best - 2], costs[best + 2] - costs[best]  # looks alternate around k = 3
+    assert gaps[0] == pytest.approx(policy.explore_budget * 2 * above * 2, abs=0.05), "the second look: twice the budget"
+    assert max(gaps) < 16 * policy.explore_budget * 2 * max(below, above) + 0.1
+
+
+def test_adaptive_verify_looks_below_when_it_verifies_the_whole_block() -> None:
+    """At k = block - 1 there is nothing above to look at: every look looks below."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1.0, warmup_rows=0)
+    for k in range(16):
+        policy.costs.record(f"run{k}", 1, 0.024 + 0.001 * k)
+    policy.accepted[1:] = policy.reached[1:]  # every draft accepted
+    chosen = []
+    for _ in range(200):
+        k = policy.choose(1)
+        policy.observe("step", 1, 1 + k, 0.024 + 0.001 * k, [k], drafted=k)  # every draft accepted
+        chosen.append(k)
+    assert policy.looks >= 10 and set(chosen) == {13, 15}
 
 
 def test_seeded_sampling_equals_plain_sampling_with_the_same_seed(engine: GraphEngine) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -182,7 +183,7 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
 
     began = look_times(2000, accepted=0)
     base = policy.explore_budget * 2 * (costs[2] - costs[0])  # steps' seconds before a look, at first
-    gaps = [b - a for a, b in zip([0.0, *began], began)]
+    gaps = [b - a for a, b in pairwise([0.0, *began])]
     assert [round(g / base) for g in gaps] == [1, 2, 4, 8] + [16] * (len(gaps) - 4), "doubling, at most 16x"
     assert len(gaps) > 6
     assert policy.choose(1) == 0
@@ -192,7 +193,7 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     assert best == 3
     began = look_times(200, accepted=3)
     assert began[0] == 0.0, "the steps since the last look already pay for a look at the new choice"
-    gaps = [b - a for a, b in zip(began, began[1:])]
+    gaps = [b - a for a, b in pairwise(began)]
     below, above = costs[best] - costs[best - 2], costs[best + 2] - costs[best]  # looks alternate around k = 3
     assert gaps[0] == pytest.approx(policy.explore_budget * 2 * above * 2, abs=0.05), "the second look: twice the budget"
     assert max(gaps) < 16 * policy.explore_budget * 2 * max(below, above) + 0.1

@@ -317,7 +317,7 @@ class DrafterAttention(nn.Module):
     def __init__(self, config: DrafterConfig, causal: bool, window: int | None) -> None:
         super().__init__()
         e, h, hkv, d = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-        self.head_dim, self.causal, self.window = d, causal, window
+        self.head_dim, self.causal, self.window, self.max_block = d, causal, window, config.block_size
         self.q_proj = nn.Linear(e, h * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(e, hkv * d, bias=config.qkv_bias)
@@ -339,7 +339,8 @@ class DrafterAttention(nn.Module):
         q = apply_rotary(self.q_norm(self.q_proj(x).unflatten(-1, (-1, self.head_dim))), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).unflatten(-1, (-1, self.head_dim))), cos, sin)
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
-        out = block_denoise(q, k, v, ctx_k, ctx_v, ctx_len, positions, self.causal, self.window, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+        out = block_denoise(q, k, v, ctx_k, ctx_v, ctx_len, positions, self.causal, self.window, scale, self.max_block)
         return self.o_proj(out)
 
 

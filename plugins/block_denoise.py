@@ -47,18 +47,20 @@ def block_denoise(
     causal: bool,
     window: int | None,
     scale: float,
+    max_block: int | None = None,
 ) -> torch.Tensor:
     """Attention of block queries over [context ; block].
 
     q: [B, S, H, D] (normed, rotated); block_k, block_v: [B, S, Hkv, D]; ctx_k, ctx_v: [B, T, Hkv, D]
     (position-indexed: row t holds position t); ctx_len: [B] committed positions; block_positions: [B, S]
-    -> [B, S, H*D]
+    -> [B, S, H*D]. S <= max_block, the drafter's block size (a step that uses k drafts denoises 1 + k slots; a
+    compiled kernel is sized for max_block; None: S itself, a static size).
     """
     if torch.compiler.is_exporting():
         return torch.onnx.ops.symbolic(
             "dflash::BlockDenoise",
             (q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions),
-            {"causal": int(causal), "window": window or 0, "scale": scale},
+            {"causal": int(causal), "window": window or 0, "scale": scale, "max_block": max_block or int(q.shape[1])},
             dtype=q.dtype,
             shape=(q.shape[0], q.shape[1], q.shape[2] * q.shape[3]),
             version=1,
@@ -74,8 +76,11 @@ def block_denoise(
 
 
 @script(DFLASH, default_opset=op)
-def BlockDenoise(q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions, causal: int, window: int, scale: float):
-    """ONNX body of dflash::BlockDenoise (same shapes as `block_denoise`; window 0 = unlimited)."""
+def BlockDenoise(
+    q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions, causal: int, window: int, scale: float, max_block: int
+):
+    """ONNX body of dflash::BlockDenoise (same shapes as `block_denoise`; window 0 = unlimited; max_block sizes the
+    compiled kernels only)."""
     keys = op.Concat(ctx_k, block_k, axis=1)  # [B, T+S, Hkv, D]
     values = op.Concat(ctx_v, block_v, axis=1)
     batch = op.Shape(block_positions, start=0, end=1)  # [1]
@@ -117,9 +122,9 @@ MIN_DOT = 16  # tl.dot needs >= 16 along every axis
 @triton.jit
 def block_denoise_kernel(
     q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions,  # inputs (TensorRT AOT order)
-    ctx_slots,  # T, the only runtime size besides the grid
+    ctx_slots, block_len,  # T and S, the runtime sizes besides the grid
     out,  # output [B, S, H*D]
-    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -132,12 +137,12 @@ def block_denoise_kernel(
     b, h = tl.program_id(0), tl.program_id(1)
     kv_head = h // (HEADS // KV_HEADS)
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < BLOCK_SIZE
+    s_ok = offs_s < block_len
     offs_d = tl.arange(0, HEAD_DIM)
     query = tl.load(
-        q + ((b * BLOCK_SIZE + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
+        q + ((b * block_len + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0
     )
-    q_pos = tl.load(block_positions + b * BLOCK_SIZE + offs_s, mask=s_ok, other=0)  # [S]
+    q_pos = tl.load(block_positions + b * block_len + offs_s, mask=s_ok, other=0)  # [S]
     valid_ctx = tl.minimum(tl.load(ctx_len + b), ctx_slots)
     ctx_end = tl.cdiv(valid_ctx, BLOCK_N) * BLOCK_N  # the block's keys occupy the chunk after the context
     first = 0
@@ -151,16 +156,16 @@ def block_denoise_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_ctx = offs_n < valid_ctx
         slot = offs_n - ctx_end  # index into the block for the final chunk
-        in_block = (slot >= 0) & (slot < BLOCK_SIZE)
+        in_block = (slot >= 0) & (slot < block_len)
         ctx_rows = ((b * ctx_slots + offs_n[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
-        block_rows = ((b * BLOCK_SIZE + slot[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+        block_rows = ((b * block_len + slot[:, None]) * KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
         keys = tl.load(ctx_k + ctx_rows, mask=in_ctx[:, None], other=0.0) + tl.load(
             block_k + block_rows, mask=in_block[:, None], other=0.0
         )
         values = tl.load(ctx_v + ctx_rows, mask=in_ctx[:, None], other=0.0) + tl.load(
             block_v + block_rows, mask=in_block[:, None], other=0.0
         )
-        k_pos = tl.where(in_block, tl.load(block_positions + b * BLOCK_SIZE + slot, mask=in_block, other=0), offs_n)
+        k_pos = tl.where(in_block, tl.load(block_positions + b * block_len + slot, mask=in_block, other=0), offs_n)
         visible = (in_ctx | in_block)[None, :] & s_ok[:, None]
         if CAUSAL:
             visible = visible & (k_pos[None, :] <= q_pos[:, None])
@@ -183,21 +188,21 @@ def block_denoise_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
         m_i = m_new
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i = 0 only on padding rows (S < BLOCK_S)
-    destination = ((b * BLOCK_SIZE + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :]
+    destination = ((b * block_len + offs_s[:, None]) * HEADS + h) * HEAD_DIM + offs_d[None, :]
     tl.store(out + destination, result.to(out.dtype.element_ty), mask=s_ok[:, None])
 
 
 def kernel_constexprs(
-    block_size: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float, upcast: bool,
+    max_block: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float, upcast: bool,
     block_n: int = 32,
 ) -> dict[str, int | float | bool]:  # fmt: skip
     if head_dim < MIN_DOT or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim={head_dim}: the BlockDenoise kernel needs a power of two >= {MIN_DOT}")
     if heads % kv_heads:
         raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads}")
-    block_s = max(MIN_DOT, triton.next_power_of_2(block_size))
+    block_s = max(MIN_DOT, triton.next_power_of_2(max_block))  # block rows per tile: every S <= max_block fits
     return {
-        "BLOCK_SIZE": block_size, "HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "CAUSAL": causal,
+        "HEADS": heads, "KV_HEADS": kv_heads, "HEAD_DIM": head_dim, "CAUSAL": causal,
         "WINDOW": window or 0, "SCALE": scale, "BLOCK_S": block_s, "BLOCK_N": max(block_n, block_s), "UPCAST": upcast,
     }  # fmt: skip
 
@@ -206,16 +211,16 @@ TACTIC_BLOCK_N = {1: 32, 2: 64, 3: 128}  # TensorRT tactic -> context rows per c
 
 
 def aot_spec(
-    block_size: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float,
+    max_block: int, heads: int, kv_heads: int, head_dim: int, causal: bool, window: int | None, scale: float,
     dtype: torch.dtype, block_n: int = 32,
 ) -> KernelSpec:  # fmt: skip
-    """The kernel for a GPU build: grid (batch, heads)."""
+    """The kernel for a GPU build: grid (batch, heads); any block length up to max_block at run time."""
     element = element_pointer(dtype)
     signature = {
         "q": element, "block_k": element, "block_v": element, "ctx_k": element, "ctx_v": element, "ctx_len": "*i64",
-        "block_positions": "*i64", "ctx_slots": "i32", "out": element,
+        "block_positions": "*i64", "ctx_slots": "i32", "block_len": "i32", "out": element,
     }  # fmt: skip
-    constexprs = kernel_constexprs(block_size, heads, kv_heads, head_dim, causal, window, scale, False, block_n)
+    constexprs = kernel_constexprs(max_block, heads, kv_heads, head_dim, causal, window, scale, False, block_n)
     return KernelSpec(block_denoise_kernel, signature, constexprs, ("batch", "heads"))
 
 
@@ -236,5 +241,5 @@ def block_denoise_triton(
     constexprs = kernel_constexprs(size, heads, block_k.shape[2], head_dim, causal, window, scale, upcast_dots(q))
     out = torch.empty((batch, size, heads * head_dim), dtype=q.dtype, device=q.device)
     inputs = [t.contiguous() for t in (q, block_k, block_v, ctx_k, ctx_v, ctx_len, block_positions)]
-    launch(block_denoise_kernel, (batch, heads), *inputs, ctx_k.shape[1], out, **constexprs)
+    launch(block_denoise_kernel, (batch, heads), *inputs, ctx_k.shape[1], size, out, **constexprs)
     return out

@@ -39,10 +39,10 @@ def register_tensorrt_plugins() -> None:
     dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16}
 
     def aot_result(
-        compiled: CompiledKernel, grid: tuple[trtp.SymInt32 | int, ...], runtime_size: trtp.SymIntExpr
+        compiled: CompiledKernel, grid: tuple[trtp.SymInt32 | int, ...], *runtime_sizes: trtp.SymIntExpr
     ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:
         """What an aot_impl returns: the kernel's PTX entry and text, a launch of `grid` programs (x, y[, z]) of the
-        kernel's warps, and the kernel's one runtime size as a 32-bit scalar."""
+        kernel's warps, and the kernel's runtime sizes as 32-bit scalars, in its argument order."""
         launch = trtp.KernelLaunchParams()
         launch.grid_x = grid[0]
         launch.grid_y = grid[1]
@@ -50,8 +50,9 @@ def register_tensorrt_plugins() -> None:
             launch.grid_z = grid[2]
         launch.block_x = compiled.num_warps * 32
         launch.shared_mem = compiled.shared_bytes
-        scalars = trtp.SymIntExprs(1)
-        scalars[0] = trtp.SymInt32(runtime_size)
+        scalars = trtp.SymIntExprs(len(runtime_sizes))
+        for index, size in enumerate(runtime_sizes):
+            scalars[index] = trtp.SymInt32(size)
         return compiled.name, compiled.ptx, launch, scalars
 
     @trtp.register("dflash::HiddenStateTap")
@@ -90,7 +91,7 @@ def register_tensorrt_plugins() -> None:
     def denoise_shapes(
         q: trtp.TensorDesc, block_k: trtp.TensorDesc, block_v: trtp.TensorDesc, ctx_k: trtp.TensorDesc,
         ctx_v: trtp.TensorDesc, ctx_len: trtp.TensorDesc, block_positions: trtp.TensorDesc, causal: int, window: int,
-        scale: float,
+        scale: float, max_block: int,
     ) -> trtp.TensorDesc:  # fmt: skip
         shape = (q.shape_expr[0], q.shape_expr[1], q.shape_expr[2] * q.shape_expr[3])
         return trtp.from_shape_expr(shape, q.dtype)  # [B, S, H*D]
@@ -108,15 +109,15 @@ def register_tensorrt_plugins() -> None:
     def denoise_kernel(
         q: trtp.TensorDesc, block_k: trtp.TensorDesc, block_v: trtp.TensorDesc, ctx_k: trtp.TensorDesc,
         ctx_v: trtp.TensorDesc, ctx_len: trtp.TensorDesc, block_positions: trtp.TensorDesc, causal: int, window: int,
-        scale: float, outputs: tuple[trtp.TensorDesc, ...], tactic: int,
+        scale: float, max_block: int, outputs: tuple[trtp.TensorDesc, ...], tactic: int,
     ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymExprs]:  # fmt: skip
-        size, heads, head_dim = (q.shape_expr[i].constant_value() for i in (1, 2, 3))
+        heads, head_dim = (q.shape_expr[i].constant_value() for i in (2, 3))
         spec = block_denoise.aot_spec(
-            size, heads, block_k.shape_expr[2].constant_value(), head_dim, bool(causal), window or None,
+            max_block, heads, block_k.shape_expr[2].constant_value(), head_dim, bool(causal), window or None,
             scale, dtypes[q.dtype], block_denoise.TACTIC_BLOCK_N.get(tactic, 32),
         )  # fmt: skip
         compiled = compile_for_gpu(spec, build_arch(), NUM_WARPS)
-        return aot_result(compiled, (q.shape_expr[0], heads), ctx_k.shape_expr[1])
+        return aot_result(compiled, (q.shape_expr[0], heads), ctx_k.shape_expr[1], q.shape_expr[1])  # T, S
 
     @trtp.register("dflash::GatedDeltaRule")
     def recurrence_shapes(

@@ -44,13 +44,13 @@ def _export(drafter: DrafterNetwork, path: Path) -> onnx.ModelProto:
         torch.tensor([[20 + i for i in range(16)]] * 2),
         torch.tensor([20, 17]),
     )
-    batch, ctx = torch.export.Dim("batch"), torch.export.Dim("ctx")
+    batch, ctx, block = torch.export.Dim("batch"), torch.export.Dim("ctx"), torch.export.Dim("block", min=2, max=16)
     program = torch.onnx.export(
         DraftFromTaps(drafter).eval(),
         example,
         dynamo=True,
         opset_version=ONNX_OPSET,
-        dynamic_shapes=({0: batch, 1: ctx}, {0: batch}, {0: batch}, {0: batch}),
+        dynamic_shapes=({0: batch, 1: ctx}, {0: batch, 1: block}, {0: batch, 1: block}, {0: batch}),
     )
     model = attach_functions(program.model_proto, [*hidden_state_tap.ONNX_FUNCTIONS, *block_denoise.ONNX_FUNCTIONS])
     onnx.save(model, path)
@@ -70,14 +70,16 @@ def test_plugins_run_in_onnxruntime_and_match_reference(variant: str, tiny_targe
     assert dflash_nodes.count("HiddenStateTap") == 1
     assert dflash_nodes.count("BlockDenoise") == drafter.config.num_layers
     assert {f.name for f in model.functions if f.domain == DOMAIN} >= {"HiddenStateTap", "BlockDenoise"}
+    max_blocks = {a.i for n in model.graph.node if n.op_type == "BlockDenoise" for a in n.attribute if a.name == "max_block"}
+    assert max_blocks == {drafter.config.block_size}, "compiled kernels are sized for the drafter's block"
 
     session = ort.InferenceSession(str(tmp_path / "draft.onnx"), providers=["CPUExecutionProvider"])
     torch.manual_seed(21)
     n_features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    for batch, ctx in [(1, 7), (3, 33)]:  # shapes other than the traced ones
-        taps, embeds = torch.randn(batch, ctx, n_features), torch.randn(batch, 16, 64)
+    for batch, ctx, size in [(1, 7, 16), (3, 33, 3)]:  # shapes other than the traced ones; the first 3 slots
+        taps, embeds = torch.randn(batch, ctx, n_features), torch.randn(batch, size, 64)
         ctx_len = torch.randint(1, ctx + 1, (batch,))
-        positions = ctx_len[:, None] + torch.arange(16)
+        positions = ctx_len[:, None] + torch.arange(size)
         feeds = dict(
             zip([i.name for i in session.get_inputs()], [t.numpy() for t in (taps, embeds, positions, ctx_len)], strict=True)
         )

@@ -58,7 +58,12 @@ def test_a_planted_misspelling_fails_the_check(stubs: Path, mypy_cache: Path, tm
     ("module", "correct", "planted", "message"),
     [
         (PLUGINS, "launch.grid_y = ", "launch.grid_yy = ", '"KernelLaunchParams" has no attribute "grid_yy"'),
-        (PLUGINS, "trtp.SymIntExprs(1)", "trtp.SymIntExprs('1')", 'Argument 1 to "SymIntExprs" has incompatible type "str"'),
+        (
+            PLUGINS,
+            "trtp.SymIntExprs(len(runtime_sizes))",
+            "trtp.SymIntExprs(str(len(runtime_sizes)))",
+            'Argument 1 to "SymIntExprs" has incompatible type "str"',
+        ),
         (RUNNER, "execute_async_v3(", "execute_async_v4(", '"IExecutionContext" has no attribute "execute_async_v4"'),
         (RUNNER, "set_tensor_address(name, tensor.data_ptr())", "set_tensor_address(name, tensor)", "set_tensor_address"),
     ],

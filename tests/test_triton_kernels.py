@@ -90,6 +90,7 @@ BLOCK_CASES = {
     # name: (batch, heads, kv_heads, head_dim, block size, ctx slots, causal, window)
     "bidirectional-b16": (2, 4, 2, 32, 16, 37, False, None),
     "bidirectional-b8": (3, 2, 1, 16, 8, 50, False, None),
+    "first-3-slots": (2, 4, 2, 32, 3, 29, False, None),  # a step that uses 2 drafts denoises 3 slots
     "context-length-0": (2, 4, 2, 32, 16, 0, False, None),
     "sliding-causal": (2, 4, 2, 32, 16, 70, True, 5),
     "sliding-bidirectional": (2, 4, 4, 32, 8, 45, False, 6),

@@ -133,7 +133,7 @@ class AdaptiveVerify:
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
-    looking_at: int = 0  # the k it verifies
+    looking_at: int = 0  # the k the current exploration drafts and then verifies
     looks: int = 0  # explorations so far (odd ones look below the chosen k)
     quiet_looks: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch -> (k chosen, looks since)
     drafted_rows: int = 0  # rows of the steps that verified at least one draft

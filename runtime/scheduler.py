@@ -189,6 +189,9 @@ class AdaptiveVerify:
     def choose(self, batch: int) -> int:
         if self.drafted_rows < self.warmup_rows:
             return self.warmup_drafts(batch)  # acceptance not measured yet: verify what could pay, and measure
+        if self.exploring:
+            self.exploring -= 1
+            return self.looking_at  # a look's second step verifies what its first drafted
         rates = self.expected_rates(batch)
         if any(np.isnan(r) for r in rates):
             return self.block_size - 1  # a cost not measured yet: verify everything and measure
@@ -197,9 +200,6 @@ class AdaptiveVerify:
         if self.looks % 2 == 1:
             around.reverse()  # odd looks look below first
         look = next((k for k in around if k != best), best)
-        if self.exploring:
-            self.exploring -= 1
-            return self.looking_at  # a look's second step verifies what its first drafted
         extra = abs((self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0))
         chosen, looked = self.quiet_looks.get(batch, (best, 0))
         quiet = looked if chosen == best else 0  # looks at this batch size since its choice became `best`

@@ -150,11 +150,17 @@ def dflash_block_loss(
 
 
 def draft_blocks(
-    drafter: DrafterNetwork, target: TargetNetwork, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor
+    drafter: DrafterNetwork,
+    target: TargetNetwork,
+    tokens: torch.Tensor,
+    taps: torch.Tensor,
+    anchors: torch.Tensor,
+    slots: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens: [L], taps: [L, n*E], anchors: [K] -> (hidden [K, B, E], positions [K, B]): one drafter forward over
-    the blocks [token_at_a, MASK x (B-1)], each seeing the context strictly before its anchor."""
-    size, count = drafter.config.block_size, anchors.shape[0]
+    """tokens: [L], taps: [L, n*E], anchors: [K] -> (hidden [K, S, E], positions [K, S]): one drafter forward over
+    the blocks [token_at_a, MASK x (S-1)], each seeing the context strictly before its anchor. S = `slots`, the
+    whole block by default (a step using k drafts denoises S = 1 + k, as the engine's graphs do)."""
+    size, count = slots or drafter.config.block_size, anchors.shape[0]
     ctx_k, ctx_v = drafter.context_kv(taps[None], torch.arange(tokens.shape[0])[None])  # [Ld, 1, L, Hkv, D]
     positions = anchors[:, None] + torch.arange(size)  # [K, B]
     block = torch.full((count, size), drafter.config.mask_token_id, dtype=torch.long)
@@ -176,13 +182,17 @@ def greedy_slots(tokens: torch.Tensor, labels: torch.Tensor, anchors: torch.Tens
 
 @torch.no_grad()
 def greedy_acceptance(
-    drafter: DrafterNetwork, target: TargetNetwork, example: TrainingExample, anchors: torch.Tensor
+    drafter: DrafterNetwork,
+    target: TargetNetwork,
+    example: TrainingExample,
+    anchors: torch.Tensor,
+    slots: int | None = None,
 ) -> torch.Tensor:
     """anchors: [K] with a + B - 1 < L -> [K]: how many drafts of the block at each anchor greedy verification
     accepts (leading slots whose draft argmax is the target's greedy token; the sequence must be the target's own
-    greedy answer from the anchors on)."""
-    hidden, positions = draft_blocks(drafter, target, example.tokens, example.taps, anchors)  # [K, B, E], [K, B]
-    drafts = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config).argmax(-1)  # [K, B-1]
+    greedy answer from the anchors on), the drafter denoising `slots` block slots (default: all)."""
+    hidden, positions = draft_blocks(drafter, target, example.tokens, example.taps, anchors, slots)  # [K, S, E], [K, S]
+    drafts = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config).argmax(-1)  # [K, S-1]
     matches = drafts == example.labels[positions[:, 1:]]
     return matches.long().cumprod(-1).sum(-1)
 

@@ -7,8 +7,11 @@ block at every position of those answers. Printed per drafter, as one JSON line:
 - per_anchor: mean accepted drafts + 1 over every anchor of the answers (smoother than tau, same scale);
 - slot_acceptance: fraction of anchors whose first k drafts are all accepted, k = 1..4.
 
+With --block-slots S the drafter denoises only the first S block slots, as an engine step that uses S - 1 drafts
+does (so tau_full_block then means S tokens at most per step):
+
     python scripts/drafter_acceptance.py --drafter builder/drafters/smollm2-135m-dflash /tmp/new \\
-        --dataset humaneval --num-prompts 20 --max-tokens 128
+        --dataset humaneval --num-prompts 20 --max-tokens 128 [--block-slots 3]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     parser.add_argument("--dataset", default="humaneval")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--block-slots", type=int, help="block slots the drafter denoises (default: its block size)")
     args = parser.parse_args()
     target_dir = resolve_checkpoint(args.target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -55,13 +59,14 @@ def main() -> None:
         per_anchor, steps, slot_hits = [], [], torch.zeros(4)
         for example in examples:
             anchors = torch.arange(example.tokens.shape[0] - size + 1)
-            accepted = greedy_acceptance(drafter, target, example, anchors)  # [L - B + 1]
+            accepted = greedy_acceptance(drafter, target, example, anchors, args.block_slots)  # [L - B + 1]
             in_answer = accepted[example.first_anchor :]
             per_anchor += (in_answer + 1).tolist()
             slot_hits += torch.stack([(in_answer >= k).sum() for k in range(1, 5)]).float()
             steps += loop_tau(accepted, example.first_anchor)
         print(json.dumps({
             "drafter": str(drafter_dir), "dataset": args.dataset, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "block_slots": args.block_slots or size,
             "tau_full_block": round(sum(steps) / len(steps), 3), "per_anchor": round(sum(per_anchor) / len(per_anchor), 3),
             "slot_acceptance": [round(float(h) / len(per_anchor), 3) for h in slot_hits],
         }), flush=True)  # fmt: skip

@@ -274,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=2,
-        help="with --concurrency: rounds of the three modes, their order reversed every other round, each mode's "
-        "rounds pooled (so a drift in the machine's speed weighs on every mode alike)",
+        help="with --concurrency: rounds of the three modes (one at a time, then DFlash and plain batched back to "
+        "back, which first alternating by round), each mode's rounds pooled (so a drift in the machine's speed "
+        "weighs on DFlash and plain alike)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")

@@ -132,11 +132,19 @@ def run_load(
     return result
 
 
+def round_order(number: int) -> tuple[str, ...]:
+    """The modes of round `number`: one at a time first, then DFlash and plain batched back to back, which of the
+    two first alternating. The comparison the goals hang on (DFlash against plain batched) is then always between
+    neighbouring runs: this CPU's speed drifts by up to 10% within minutes, and the order A B C, C B A put plain's
+    two runs back to back (session 18: plain 29.1 tok/s at C = 1 beside DFlash 38.4)."""
+    return ("one-at-a-time", "dflash", "plain") if number % 2 == 0 else ("one-at-a-time", "plain", "dflash")
+
+
 def load_table(
     engine: GraphEngine, prompts: list[list[int]], max_tokens: int, levels: list[int], rounds: int = 2
 ) -> list[dict[str, Any]]:
     """Every mode at every concurrency level (max(C, prompts) requests per round), in one process, in `rounds`
-    rounds of alternating order; each row also says whether its outputs equal plain decoding's (in every round) and
+    rounds (`round_order`); each row also says whether its outputs equal plain decoding's (in every round) and
     its tok/s over the other two modes'."""
     rows = []
     for concurrency in levels:
@@ -145,7 +153,7 @@ def load_table(
         requests = max(concurrency, len(prompts))
         results: dict[str, LoadResult] = {}
         for number in range(rounds):
-            for mode in MODES if number % 2 == 0 else MODES[::-1]:
+            for mode in round_order(number):
                 result = run_load(engine, prompts, max_tokens, concurrency, requests, mode)
                 results[mode] = results[mode].merged(result) if mode in results else result
         plain = results["plain"]

@@ -81,8 +81,9 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
 
 
 def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Round 1 runs A B C, round 2 C B A; a mode's rounds are pooled (tokens and seconds added), and a mode whose
-    rounds disagree is not reported identical to plain."""
+    """Each round runs one at a time first, then DFlash and plain back to back, which first alternating by round
+    (the pair the goals compare always runs side by side); a mode's rounds are pooled (tokens and seconds added),
+    and a mode whose rounds disagree is not reported identical to plain."""
     order: list[str] = []
 
     def fake_run(engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, mode: str) -> LoadResult:
@@ -93,7 +94,7 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
     engine = SimpleNamespace(pool=SimpleNamespace(slots=4))
     rows = load_bench.load_table(engine, [[1, 2]], 8, [4], rounds=2)  # type: ignore[arg-type]
-    assert order == ["dflash", "one-at-a-time", "plain", "plain", "one-at-a-time", "dflash"]
+    assert order == ["one-at-a-time", "dflash", "plain", "one-at-a-time", "plain", "dflash"]
     by_mode = {row["mode"]: row for row in rows}
     assert by_mode["dflash"]["tok_s"] == 50.0 and by_mode["plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
     assert by_mode["dflash"]["identical_to_plain"] and not by_mode["one-at-a-time"]["identical_to_plain"]

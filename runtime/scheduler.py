@@ -100,7 +100,8 @@ class StepCosts:
 class AdaptiveVerify:
     """Verify the k that maximises expected tokens per second for the batch size at hand:
     batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
-    per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch).
+    per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch). From plain
+    decoding, drafting is switched back on only for a gain of at least `switch_on_margin` (see `_best`).
 
     Until drafts of `warmup_rows` rows have been verified, the policy verifies the k that would be best if every
     draft were accepted, among steps that cost at most `warmup_cost_limit` steps verifying none: acceptance is

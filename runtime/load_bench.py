@@ -80,7 +80,9 @@ def _percentile(values: list[float], q: float) -> float:
 def policy_for(mode: str, engine: GraphEngine) -> tuple[VerifyPolicy, int | None]:
     """(verify policy, max active sequences) of a mode."""
     if mode == "plain":
-        return PlainDecoding(), None
+        plain = PlainDecoding()
+        plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
+        return plain, None
     policy = AdaptiveVerify(engine.block_size)
     policy.calibrate(engine)
     return policy, (1 if mode == "one-at-a-time" else None)

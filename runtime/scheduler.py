@@ -65,6 +65,16 @@ class PlainDecoding:
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         pass
 
+    def calibrate(self, engine: GraphEngine, context: int = 256) -> None:
+        """Run the `decode` graph once at batch 1, 2, 4 ... (up to the free slots): the shapes a load then uses have
+        been planned once, as `AdaptiveVerify.calibrate` does for its graphs, so a benchmark times neither mode's
+        first calls."""
+        start = min(context, engine.max_seq_len // 2)
+        batch = 1
+        while batch <= engine.pool.free_slots:
+            time_call(engine, "decode", batch, 1, 1, start, repeats=0)
+            batch *= 2
+
 
 @dataclass
 class StepCosts:

@@ -13,7 +13,7 @@ from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence, generate, generate_plain
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, Scheduler, StepCosts
+from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, PlainDecoding, Scheduler, StepCosts
 
 SLOTS = 4
 
@@ -241,6 +241,19 @@ def test_adaptive_verify_looks_below_when_it_verifies_the_whole_block() -> None:
         policy.observe("step", 1, 1 + k, 0.024 + 0.001 * k, [k], drafted=k)  # every draft accepted
         chosen.append(k)
     assert policy.looks >= 10 and set(chosen) == {13, 15}
+
+
+def test_plain_decoding_calibrates_its_decode_shapes(engine: GraphEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain decoding, the benchmarks' baseline, runs its `decode` graph once at batch 1, 2, 4 ... up to the free
+    slots before it is timed (as the adaptive policy calibrates its graphs), and hands every slot back."""
+    calls: list[tuple[str, int]] = []
+    run = engine.run
+    monkeypatch.setattr(engine, "run", lambda graph, batch: calls.append((graph, batch.block.shape[0])) or run(graph, batch))
+    free = engine.pool.free_slots
+    PlainDecoding().calibrate(engine)
+    expected = [1 << i for i in range(free.bit_length())]  # 1, 2, 4 ... <= free
+    assert calls == [("decode", b) for b in expected]
+    assert engine.pool.free_slots == free
 
 
 def test_seeded_sampling_equals_plain_sampling_with_the_same_seed(engine: GraphEngine) -> None:

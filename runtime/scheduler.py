@@ -70,10 +70,8 @@ class PlainDecoding:
         been planned once, as `AdaptiveVerify.calibrate` does for its graphs, so a benchmark times neither mode's
         first calls."""
         start = min(context, engine.max_seq_len // 2)
-        batch = 1
-        while batch <= engine.pool.free_slots:
-            time_call(engine, "decode", batch, 1, 1, start, repeats=0)
-            batch *= 2
+        for batch in calibration_batches(engine, engine.pool.free_slots):
+            time_call(engine, "decode", batch, 1, 1, start, repeats=0)  # untimed: its first call plans the shape
 
 
 @dataclass
@@ -277,14 +275,12 @@ class AdaptiveVerify:
         start = min(context, engine.max_seq_len // 2)
         for k in range(1, engine.block_size):
             self._calibrated("step", 1, k + 1, k, time_call(engine, "step", 1, k + 1, k, start))
-        batch = 1
-        while batch <= engine.pool.free_slots and batch <= max_tokens:
+        for batch in calibration_batches(engine, max_tokens):
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
                     self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
             if batch * engine.block_size <= max_tokens:
                 self._calibrated("step", batch, 1, drafts, time_call(engine, "step", batch, 1, drafts, start))
-            batch *= 2
 
     def _calibrated(self, graph: str, batch: int, width: int, drafted: int, seconds: float) -> None:
         """A timed call of a shape that has run before (`time_call` warms it up): its cost as it is."""
@@ -292,9 +288,16 @@ class AdaptiveVerify:
         self._record_cost(graph, batch, width, seconds, drafted)
 
 
+def calibration_batches(engine: GraphEngine, limit: int) -> list[int]:
+    """Batch sizes 1, 2, 4 ... up to the engine's free slots and `limit`: what the policies' calibrations run."""
+    top = min(engine.pool.free_slots, limit)
+    return [1 << i for i in range(top.bit_length())]
+
+
 def time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: int, start: int, repeats: int = 3) -> float:
     """Seconds of one call on throw-away rows of the first free slots at positions `start`.. (stale rows: nothing is
-    kept, and attention over them costs what it costs over real ones)."""
+    kept, and attention over them costs what it costs over real ones): the best of `repeats` calls after an untimed
+    first one (`repeats` = 0: the first call only, to plan the shape; inf)."""
     held = [engine.pool.acquire() for _ in range(batch)]
     try:
         call = StepBatch(

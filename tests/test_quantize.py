@@ -24,7 +24,7 @@ from dflash_trt.runtime.scheduler import FixedVerify
 from transformers import Qwen3Config
 
 from tests.conftest import all_nodes, write_tiny_tokenizer
-from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, VOCAB, _chi_square_p, _dflash_counts, _pair
+from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, SLOTS, VOCAB, _chi_square_p, _dflash_counts, _pair
 
 
 def _build(target: Path, drafter: Path, output: Path, *options: str) -> Path:
@@ -144,7 +144,7 @@ def test_sampling_on_a_quantized_engine_follows_its_own_target(tmp_path: Path) -
     on an int4 engine follow the distribution of that engine's own logits (chi-square)."""
     target_dir, _ = _pair(tmp_path, Qwen3Config(**SHARED, bos_token_id=0), seed=4)
     write_tiny_tokenizer(target_dir, VOCAB)
-    options = ("--block-size", "4", "--max-seq-len", "32", "--max-batch-size", "1", "--quantize", "int4")
+    options = ("--block-size", "4", "--max-seq-len", "32", "--max-batch-size", str(SLOTS), "--quantize", "int4")
     repo = _build(target_dir, tmp_path / "drafter", tmp_path / "repo", *options)
     engine, _ = load_engine(repo)
     counts, accepted = _dflash_counts(engine, SamplingParams(1.0))

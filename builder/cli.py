@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from dflash_trt.builder.calibration import LinearInputs, calibration_windows, collect_linear_inputs
 from dflash_trt.builder.checkpoints import (
     CheckpointError,
     DrafterConfig,
@@ -25,7 +26,7 @@ from dflash_trt.builder.export import package_exported
 from dflash_trt.builder.export_cache import ExportCache, cached_export, key_record
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import ALIASES, looks_like_hub_id, pair_configs, resolve_pair
-from dflash_trt.builder.networks import load_pair
+from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork, load_pair
 from dflash_trt.builder.parallel_export import export_engines_onnx
 from dflash_trt.builder.parallel_plan import (
     UNTESTED_TP_NOTE,
@@ -36,7 +37,7 @@ from dflash_trt.builder.parallel_plan import (
     smallest_tp,
 )
 from dflash_trt.builder.plan import describe, memory_plan, parse_bytes
-from dflash_trt.builder.quantize import check_mode, manifest_record
+from dflash_trt.builder.quantize import QuantizationMode, check_mode, manifest_record
 from dflash_trt.builder.repository import (
     ENGINE_DIR,
     TOKENIZER_DIR,
@@ -114,8 +115,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quantize",
         default="none",
         metavar="MODE",
-        help="weight quantization of the linear layers: none | int8 | int4 (ONNX Runtime, MatMulNBits; "
-        "docs/quantization.md has the policy and measured quality)",
+        help="weight quantization of the linear layers: none | int8 | int4 (ONNX Runtime, MatMulNBits) | fp8 | int4-awq "
+        "(TensorRT's Q/DQ forms, calibrated on the toolkit's sources; ONNX Runtime runs them too, to check them, not "
+        "fast); docs/quantization.md has the policy and measured quality",
     )
     parser.add_argument(
         "--quantize-drafter",
@@ -175,6 +177,22 @@ def print_plan(args: argparse.Namespace, target: TargetConfig, drafter: DrafterC
     plan = memory_plan(target, drafter, dtype, args.max_seq_len, block, quantization)
     print(f"[dflash-build] plan for {args.model} (block {block}, --max-seq-len {args.max_seq_len}):")
     print(describe(plan, dtype, args.max_seq_len, memory, quantization.name))
+
+
+def calibrate(
+    target: TargetNetwork,
+    drafter: DrafterNetwork,
+    tokenizer_dir: Path,
+    block_size: int,
+    modes: tuple[QuantizationMode, QuantizationMode],
+) -> dict[str, LinearInputs] | None:
+    """The linear layers' input statistics, where a mode is one of TensorRT's calibrated Q/DQ forms."""
+    if all(mode.form != "qdq" for mode in modes):
+        return None
+    windows = calibration_windows(AutoTokenizer.from_pretrained(tokenizer_dir))
+    names = "/".join(sorted({mode.name for mode in modes if mode.form == "qdq"}))
+    print(f"[dflash-build] calibrating {names} on {len(windows)} windows of the toolkit's own sources ...", file=sys.stderr)
+    return collect_linear_inputs(target, drafter, windows, block_size)
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
@@ -241,12 +259,13 @@ def build(args: argparse.Namespace) -> Path | None:
         else:
             graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
             modes = (quantization, drafter_quantization)
+            calibration = calibrate(target, drafter, repo / TOKENIZER_DIR, block_size, modes)
             if args.export_cache is None:
-                paths = export_engines_onnx(graphs, spec, engine_dir, *modes)
+                paths = export_engines_onnx(graphs, spec, engine_dir, *modes, calibration)
             else:  # the float graphs through the cache, then quantized and packaged from there
                 record = key_record(spec, hashes["target"], hashes["drafter"])
                 exported = cached_export(ExportCache(args.export_cache), record, partial(export_engines_onnx, graphs, spec))
-                paths = package_exported(exported, engine_dir, *modes)
+                paths = package_exported(exported, engine_dir, *modes, calibration)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)

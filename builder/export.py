@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript.rewriter
 import torch
+from dflash_trt.builder.calibration import LinearInputs
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.builder.quantize import MODES, QuantizationMode, quantize_graph
 from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
@@ -220,12 +221,14 @@ def package_exported(
     directory: Path,
     quantization: QuantizationMode = MODES["none"],
     drafter_quantization: QuantizationMode | None = None,
+    calibration: dict[str, LinearInputs] | None = None,
 ) -> list[Path]:
     """The float graphs an earlier export wrote into `source` (the export cache), quantized as asked and written
     into `directory` with their own weights.bin, as `export_engines_onnx` would have written them. Float graphs
     are copied: the same bytes an export writes (not hard links: onnx refuses external data with several)."""
     if quantizes(quantization, drafter_quantization):
-        return write_engines(lambda name: ir.load(source / f"{name}.onnx"), directory, quantization, drafter_quantization)
+        graph = lambda name: ir.load(source / f"{name}.onnx")  # noqa: E731
+        return write_engines(graph, directory, quantization, drafter_quantization, calibration)
     for name in (*[f"{graph}.onnx" for graph in GRAPH_NAMES], WEIGHTS_FILE):
         shutil.copyfile(source / name, directory / name)
     return [directory / f"{name}.onnx" for name in GRAPH_NAMES]
@@ -236,8 +239,10 @@ def write_engines(
     directory: Path,
     quantization: QuantizationMode,
     drafter_quantization: QuantizationMode | None,
+    calibration: dict[str, LinearInputs] | None = None,
 ) -> list[Path]:
-    """Each graph of GRAPH_NAMES as `graph(name)` gives it, quantized, its weights placed in WEIGHTS_FILE."""
+    """Each graph of GRAPH_NAMES as `graph(name)` gives it, quantized (Q/DQ modes: from `calibration`), its weights
+    placed in WEIGHTS_FILE."""
     drafter_mode = drafter_quantization or quantization
     paths = []
     with open(directory / WEIGHTS_FILE, "wb") as blob:
@@ -246,7 +251,7 @@ def write_engines(
             model = graph(name)
             if quantizes(quantization, drafter_mode):
                 began = time.perf_counter()
-                model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode))
+                model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode, calibration))
                 modes = quantization.name if drafter_mode == quantization else f"{quantization.name}, drafter {drafter_mode.name}"
                 seconds = time.perf_counter() - began
                 print(f"[dflash-build]   {name}: linear layers quantized ({modes}) in {seconds:.1f} s", file=sys.stderr)

@@ -29,6 +29,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 import torch
+from dflash_trt.builder.calibration import LinearInputs
 from dflash_trt.builder.export import TransposedWeight, export_graph, write_engines
 from dflash_trt.builder.graphs import DFlashGraphs
 from dflash_trt.builder.quantize import MODES, QuantizationMode
@@ -136,9 +137,10 @@ def export_engines_onnx(
     directory: Path,
     quantization: QuantizationMode = MODES["none"],
     drafter_quantization: QuantizationMode | None = None,
+    calibration: dict[str, LinearInputs] | None = None,
 ) -> list[Path]:
     """Export every graph of GRAPH_NAMES into `directory` (which must exist), traced in parallel, the target's
     linear layers quantized as `quantization` says and the drafter's as `drafter_quantization` (default: the
-    same); returns the graph paths."""
+    same; Q/DQ modes set from `calibration`); returns the graph paths."""
     with traced_in_parallel(graphs, spec, directory) as traced:
-        return write_engines(traced, directory, quantization, drafter_quantization)
+        return write_engines(traced, directory, quantization, drafter_quantization, calibration)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dflash_trt.builder.checkpoints import DrafterConfig, TargetConfig
 from dflash_trt.builder.graphs import engine_states
+from dflash_trt.builder.qdq import INT4_BLOCKS
 from dflash_trt.builder.quantize import BLOCK_SIZE, LM_HEAD_BITS, MODES, QuantizationMode
 from dflash_trt.runtime.graph_io import owner
 
@@ -94,6 +95,9 @@ def weight_bytes(target: TargetConfig, drafter: DrafterConfig, dtype: str, quant
     rest = target_parameters(target) + drafter_parameters(drafter) - matrices - head * (1 if target.tie_word_embeddings else 2)
     if quantization.bits == 0:
         return (rest + head + matrices + head) * DTYPE_BYTES[dtype]
+    if quantization.form == "qdq":  # TensorRT's forms: the LM head in the dtype; a scale per block (INT4) or column
+        scale = DTYPE_BYTES[dtype] / (INT4_BLOCKS[0] if quantization.bits == 4 else target.hidden_size)
+        return int((rest + head + head) * DTYPE_BYTES[dtype] + matrices * (quantization.bits / 8 + scale))
     scale = 4 / BLOCK_SIZE
     return int(
         (rest + head) * DTYPE_BYTES[dtype] + matrices * (quantization.bits / 8 + scale) + head * (LM_HEAD_BITS / 8 + scale)

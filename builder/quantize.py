@@ -18,6 +18,8 @@ Policy (the same for the target's and the drafter's linear layers unless `--quan
 - `--quantize-drafter MODE` quantizes the drafter's side of the graphs on its own (its layers, its tap projection
   `fc`, and its use of the LM head, which then gets a quantized copy of its own): drafts only propose tokens that
   the target verifies, so the drafter's precision changes acceptance, never output. Default: the target's mode.
+
+TensorRT's modes (`fp8`, `int4-awq`) are QuantizeLinear / DequantizeLinear graphs calibrated on text: `qdq.py`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
+from dflash_trt.builder.calibration import LinearInputs
 
 BLOCK_SIZE = 32  # weights per scale along the input axis (llama.cpp's Q8_0 / Q4_0 blocks are 32 too)
 ACCURACY_LEVEL = 4  # MatMulNBits: quantize the input rows to int8 and use int8 dot products
@@ -37,22 +40,26 @@ LM_HEAD_BITS = 8
 @dataclass(frozen=True)
 class QuantizationMode:
     name: str
-    backend: str  # the backend whose operators the graphs use ("" = any)
+    backends: tuple[str, ...]  # the backends that run its graphs (() = any)
     bits: int  # linear-layer weight bits (0 = not quantized)
     summary: str
+    form: str = "matmulnbits"  # "matmulnbits" (ONNX Runtime's operator) | "qdq" (TensorRT's Q/DQ, qdq.py) | "none"
 
 
 MODES = {
     mode.name: mode
     for mode in (
-        QuantizationMode("none", "", 0, "float weights (the --dtype)"),
-        QuantizationMode("int8", "onnxruntime", 8, "8-bit block-wise weights (MatMulNBits), int8 dot products"),
-        QuantizationMode("int4", "onnxruntime", 4, "4-bit block-wise weights (MatMulNBits), 8-bit LM head"),
-        QuantizationMode("fp8", "tensorrt", 8, "E4M3 weights and activations (Q/DQ): not built yet"),
-        QuantizationMode("int4-awq", "tensorrt", 4, "4-bit block-wise weights (DQ), activation-aware: not built yet"),
+        QuantizationMode("none", (), 0, "float weights (the --dtype)", "none"),
+        QuantizationMode("int8", ("onnxruntime",), 8, "8-bit block-wise weights (MatMulNBits), int8 dot products"),
+        QuantizationMode("int4", ("onnxruntime",), 4, "4-bit block-wise weights (MatMulNBits), 8-bit LM head"),
+        QuantizationMode(
+            "fp8", ("tensorrt", "onnxruntime"), 8, "E4M3 weights per channel, E4M3 activations per tensor (Q/DQ)", "qdq"
+        ),
+        QuantizationMode(
+            "int4-awq", ("tensorrt", "onnxruntime"), 4, "INT4 weights in blocks, AWQ scales, float activations (DQ)", "qdq"
+        ),
     )
 }
-NOT_BUILT = ("fp8", "int4-awq")  # TensorRT's Q/DQ forms: named so that they are refused clearly
 
 
 def check_mode(name: str, backend: str, option: str = "--quantize") -> QuantizationMode:
@@ -60,16 +67,11 @@ def check_mode(name: str, backend: str, option: str = "--quantize") -> Quantizat
     mode = MODES.get(name)
     if mode is None:
         raise ValueError(f"{option} {name!r} is not a mode; choose one of {', '.join(MODES)}")
-    if mode.backend and mode.backend != backend:
-        runs_here = ", ".join(m.name for m in MODES.values() if m.backend in ("", backend))
+    if mode.backends and backend not in mode.backends:
+        runs_here = ", ".join(m.name for m in MODES.values() if not m.backends or backend in m.backends)
         raise ValueError(
-            f"{option} {name} builds {mode.backend} operators, and this build's backend is {backend}: "
-            f"pass --backend {mode.backend}, or one of the {backend} modes ({runs_here})"
-        )
-    if name in NOT_BUILT:
-        raise ValueError(
-            f"{option} {name} ({mode.summary}) is not built yet: its Q/DQ export for TensorRT's ONNX parser needs "
-            "calibration and a TensorRT to check against, and neither exists here (docs/quantization.md)"
+            f"{option} {name} builds {mode.backends[0]} operators, and this build's backend is {backend}: "
+            f"pass --backend {mode.backends[0]}, or one of the {backend} modes ({runs_here})"
         )
     return mode
 
@@ -86,6 +88,10 @@ def manifest_record(mode: QuantizationMode, drafter_mode: QuantizationMode | Non
 def _mode_record(mode: QuantizationMode) -> dict[str, object]:
     if mode.bits == 0:
         return {"mode": mode.name}
+    if mode.form == "qdq":
+        from dflash_trt.builder.qdq import qdq_record
+
+        return {"mode": mode.name, "summary": mode.summary, "bits": mode.bits, **qdq_record(mode.name)}
     return {
         "mode": mode.name,
         "summary": mode.summary,
@@ -137,21 +143,26 @@ def _metadata(node: onnx.NodeProto, key: str) -> str:
 
 
 def quantize_graph(
-    model: onnx.ModelProto, mode: QuantizationMode, drafter_mode: QuantizationMode | None = None
+    model: onnx.ModelProto,
+    mode: QuantizationMode,
+    drafter_mode: QuantizationMode | None = None,
+    calibration: dict[str, LinearInputs] | None = None,
 ) -> onnx.ModelProto:
     """Every MatMul with a constant 2-D weight -> MatMulNBits at its side's bits (the target's `mode`, the drafter's
-    `drafter_mode`, default the same; an LM head at LM_HEAD_BITS when its side is quantized). Deterministic, so the
-    graphs of one engine still share each quantized weight in weights.bin."""
+    `drafter_mode`, default the same; an LM head at LM_HEAD_BITS when its side is quantized), or TensorRT's Q/DQ form
+    for a side whose mode is one (`qdq.py`, set from `calibration`; LM heads stay in the engine dtype there).
+    Deterministic, so the graphs of one engine still share each quantized weight in weights.bin."""
     drafter_mode = drafter_mode or mode
     head = set(lm_head_nodes(model))
     drafter = set(drafter_nodes(model)) if drafter_mode != mode else set()
     matmuls = [node.name for node in model.graph.node if node.op_type == "MatMul"]
     target = set(matmuls) - drafter
-    groups = [  # (bits, the nodes quantized at those bits)
-        (mode.bits, target - head),
-        (LM_HEAD_BITS if mode.bits else 0, target & head),
-        (drafter_mode.bits, drafter - head),
-        (LM_HEAD_BITS if drafter_mode.bits else 0, drafter & head),
+    sides = ((mode, target), (drafter_mode, drafter))
+    groups = [  # (bits, the nodes quantized at those bits by MatMulNBits)
+        (bits, nodes)
+        for side_mode, side in sides
+        if side_mode.form == "matmulnbits"
+        for bits, nodes in ((side_mode.bits, side - head), (LM_HEAD_BITS, side & head))
     ]
     quantizer_class = _matmul_nbits_quantizer()
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -167,31 +178,41 @@ def quantize_graph(
                 model = quantizer.model.model
     finally:
         quantizer_log.setLevel(level)
+    qdq_layers = {name: side_mode for side_mode, side in sides if side_mode.form == "qdq" for name in side - head}
+    if qdq_layers:
+        from dflash_trt.builder.qdq import quantize_qdq
+
+        model = quantize_qdq(model, qdq_layers, calibration or {})
     return model
 
 
 @functools.cache
 def rows_independent(mode: QuantizationMode, rows: int = 16, alone: int = 1) -> bool:
-    """Whether ONNX Runtime's MatMulNBits at `mode`'s bits gives the first `alone` rows of a call of `rows` rows
-    the same bits when they are the whole call, on this CPU (a 576 x 1536 random layer, the demo target's MLP
-    shape)."""
+    """Whether ONNX Runtime's kernels for a linear layer quantized as `mode` (MatMulNBits at its bits, or its Q/DQ
+    form as ONNX Runtime fuses it) give the first `alone` rows of a call of `rows` rows the same bits when they are
+    the whole call, on this CPU (a 576 x 1536 random layer, the demo target's MLP shape)."""
     import numpy as np
     import onnxruntime as ort
+    import torch
     from onnx import TensorProto, helper, numpy_helper
 
     generator = np.random.default_rng(0)
     inputs, outputs = 576, 1536
     weight = numpy_helper.from_array((generator.standard_normal((inputs, outputs)) * 0.05).astype(np.float32), "w")
+    linear = helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")
+    helper.set_metadata_props(linear, {"pkg.torch.onnx.fx_node": "aten.linear.default](args = (%x, %p_probe_weight))"})
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="linear")],
+        [linear],
         "probe",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", inputs])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", outputs])],
         [weight],
     )
-    model = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), mode)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     x = generator.standard_normal((rows, inputs)).astype(np.float32)
+    calibration = {"p_probe_weight": LinearInputs()}
+    calibration["p_probe_weight"].add(torch.from_numpy(x))
+    model = quantize_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), mode, calibration=calibration)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return bool(np.array_equal(session.run(None, {"x": x[:alone]})[0], session.run(None, {"x": x})[0][:alone]))
 
 
@@ -201,8 +222,8 @@ def pad_single_rows(mode: QuantizationMode) -> bool:
     the many-row bits (AVX2's one-row 4-bit kernel). Then a token's bits do not depend on its call's size."""
     if not mode.bits:
         return False
-    head = next(m for m in MODES.values() if m.backend == mode.backend and m.bits == LM_HEAD_BITS)
-    return any(not rows_independent(m) and rows_independent(m, alone=2) for m in {mode, head})
+    kernels = {mode, MODES["int8"]} if mode.form == "matmulnbits" else {mode}  # the 8-bit LM head; Q/DQ: float head
+    return any(not rows_independent(m) and rows_independent(m, alone=2) for m in kernels)
 
 
 def _matmul_nbits_quantizer() -> Any:

@@ -35,11 +35,12 @@ from tests.conftest import all_nodes
 # Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
 # operator matrix), plus the dflash nodes that become plugins. Anything else would break the TensorRT build.
 TENSORRT_OPS = {
-    "Add", "And", "ArgMax", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "CumSum", "Div",
-    "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater", "GreaterOrEqual", "Identity", "If", "IsNaN", "Less",
-    "LessOrEqual", "MatMul", "Max", "Min", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceMax",
-    "ReduceMean", "ReduceSum", "Reshape", "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax",
-    "Softplus", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
+    "Add", "And", "ArgMax", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos",
+    "CumSum", "DequantizeLinear", "Div", "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater",
+    "GreaterOrEqual", "Identity", "If", "IsNaN", "Less", "LessOrEqual", "MatMul", "Max", "Min", "Mul", "Neg", "Not",
+    "Or", "Pow", "QuantizeLinear", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceSum", "Reshape",
+    "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Softplus", "Split", "Sqrt",
+    "Squeeze", "Sub", "Tanh", "Tile", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
 }  # fmt: skip
 DFLASH_OPS = {"HiddenStateTap", "BlockDenoise"}
 NUM_PROMPTS, NEW_TOKENS = 20, 64

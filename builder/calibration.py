@@ -33,6 +33,7 @@ class LinearInputs:
     abs_sum: torch.Tensor | None = None  # [K] sum of |x| per input channel
     rows: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)  # [r, K] pieces, SAMPLE_ROWS rows in all at most
+    searched: dict[tuple[tuple[str, ...], int], torch.Tensor] = field(default_factory=dict)  # AWQ scales found, by group
 
     def add(self, x: torch.Tensor) -> None:
         """x: [..., K] one call's input."""

@@ -188,7 +188,13 @@ def quantize_int4_awq(graph: QdqGraph, layers: list[onnx.NodeProto], calibration
             left += [weight_parameter(node) for node in readers]
             continue
         inputs = calibration.get(weight_parameter(readers[0]))
-        s = awq_scales(weights, inputs, block) if inputs is not None else torch.ones(weights[0].shape[0])
+        if inputs is None:
+            s = torch.ones(weights[0].shape[0])
+        else:  # the engine's four graphs hold the same layers: each group is searched once per build
+            group = (tuple(weight_parameter(node) for node in readers), block)
+            if group not in inputs.searched:
+                inputs.searched[group] = awq_scales(weights, inputs, block)
+            s = inputs.searched[group]
         dtype = weights[0].numpy().dtype
         inverse = graph.constant(f"{source}_awq_inverse_scale", (1.0 / s).numpy().astype(dtype))
         scaled = f"{source}_awq"

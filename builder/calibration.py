@@ -32,8 +32,9 @@ class LinearInputs:
     amax: float = 0.0  # largest |x|
     abs_sum: torch.Tensor | None = None  # [K] sum of |x| per input channel
     rows: int = 0
-    sample: list[torch.Tensor] = field(default_factory=list)  # [r, K] pieces, SAMPLE_ROWS rows in all at most
+    sample: torch.Tensor | None = None  # [<= SAMPLE_ROWS, K] rows drawn uniformly from all seen (reservoir)
     searched: dict[tuple[tuple[str, ...], int], torch.Tensor] = field(default_factory=dict)  # AWQ scales found, by group
+    _generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0), repr=False)
 
     def add(self, x: torch.Tensor) -> None:
         """x: [..., K] one call's input."""
@@ -41,10 +42,19 @@ class LinearInputs:
         self.amax = max(self.amax, float(rows.abs().max()))
         total = rows.abs().sum(0)
         self.abs_sum = total if self.abs_sum is None else self.abs_sum + total
+        self._sample_rows(rows)
         self.rows += rows.shape[0]
-        kept = sum(piece.shape[0] for piece in self.sample)
-        if kept < SAMPLE_ROWS:
-            self.sample.append(rows[: SAMPLE_ROWS - kept].clone())
+
+    def _sample_rows(self, rows: torch.Tensor) -> None:
+        """Reservoir sampling (algorithm R, seeded): the n-th row seen replaces a kept row with probability
+        SAMPLE_ROWS / n, so the kept rows are spread over the whole run, not its first window."""
+        kept = 0 if self.sample is None else self.sample.shape[0]
+        fill = min(SAMPLE_ROWS - kept, rows.shape[0])
+        self.sample = rows[:fill].clone() if self.sample is None else torch.cat([self.sample, rows[:fill]])
+        seen = torch.arange(self.rows + fill, self.rows + rows.shape[0]) + 1  # 1-based index of each later row
+        slot = (torch.rand(seen.shape[0], generator=self._generator) * seen).long()  # uniform in [0, n)
+        chosen = slot < SAMPLE_ROWS
+        self.sample[slot[chosen]] = rows[fill:][chosen]
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -55,7 +65,8 @@ class LinearInputs:
     @property
     def rows_sample(self) -> torch.Tensor:
         """[r, K] the kept rows."""
-        return torch.cat(self.sample)
+        assert self.sample is not None
+        return self.sample
 
 
 def parameter_name(module_path: str) -> str:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork
 from torch import nn
+
+if TYPE_CHECKING:  # the networks (and the plugins they import) only where calibration runs, not where it is read
+    from dflash_trt.builder.networks import DrafterNetwork, TargetNetwork
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 CALIBRATION_SOURCES = ("builder", "runtime")  # directories of the package whose .py files are the text

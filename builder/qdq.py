@@ -41,7 +41,7 @@ INT4_MAX = 7  # symmetric: [-8, 7] used as [-7, 7]
 INT4_BLOCKS = (128, 64, 32)  # the largest that divides the layer's input size
 AWQ_ALPHAS = tuple(step / 20 for step in range(20))
 QDQ_OPSET = 21  # FP8 Q/DQ (19), INT4 and blocked DequantizeLinear (21)
-QUANTIZED_TYPES = {TensorProto.FLOAT8E4M3FN: "FP8 E4M3", TensorProto.INT8: "INT8", TensorProto.INT4: "INT4"}
+QUANTIZED_TYPES = {TensorProto.FLOAT8E4M3FN, TensorProto.INT8, TensorProto.INT4}  # what TensorRT dequantizes
 
 
 def fp8_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,7 @@ from typing import BinaryIO
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxscript.optimizer
 import onnxscript.rewriter
 import torch
 from dflash_trt.builder.calibration import LinearInputs
@@ -87,7 +88,7 @@ ONNX_FUNCTIONS = [
 
 
 def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
-    """Trace one fused graph to ONNX (opset 20 + the dflash domain). The returned model's initializers are the
+    """Trace one fused graph to ONNX (opset 23 + the dflash domain). The returned model's initializers are the
     network's own tensors (no copy until they are written out)."""
     inputs, axes = example_inputs(spec, name)
     exporter_log = logging.getLogger("torch.onnx")
@@ -110,7 +111,10 @@ def export_graph(graphs: DFlashGraphs, spec: EngineSpec, name: str) -> ir.Model:
         assert program is not None
         fold_weight_transposes(program.model)
         with single_output_rewrites():
-            program.optimize()
+            # The exporter's `optimize()` would also apply onnxscript's opset-23 fusions (RMSNormalization,
+            # RotaryEmbedding, GroupQueryAttention patterns): ops TensorRT's parser does not document. Only the
+            # optimizer runs; attention is already one standard `Attention` node (layers.masked_attention).
+            onnxscript.optimizer.optimize_ir(program.model)
     finally:
         exporter_log.setLevel(level)
     return program.model

@@ -100,16 +100,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with grouped K/V heads, the G query heads of a K/V head folded into its query axis
-    (query head h reads K/V head h // G), so K and V are never repeated.
+    (query head h reads K/V head h // G), so K and V are never repeated, and every call has at least G query rows
+    per head (a one-row matmul rounds differently from a many-row one; see docs/quantization.md, Exactness).
 
     q: [B, S, H, D]; k, v: [B, T, Hkv, D]; visible: [B, S, T] bool -> [B, S, H*D]
     """
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
+    mask = visible[:, None, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * length, -1)  # [B, 1, G*S, T]
+    if torch.compiler.is_exporting():
+        # ONNX `Attention` in its 3-D form, one head per K/V head: keys and values are read where they lie
+        # ([B, T, Hkv*D], no transposes of the context), the query rows of a head in the same (G, S) order.
+        q_rows = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 3, 1, 2, 4)  # [B, G, S, Hkv, D]
+        out, *_ = torch.onnx.ops.attention(
+            q_rows.reshape(batch, groups * length, kv_heads * head_dim),
+            k.flatten(2),
+            v.flatten(2),
+            mask,
+            q_num_heads=kv_heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+        )  # [B, G*S, Hkv*D]
+        out = out.reshape(batch, groups, length, kv_heads, head_dim).permute(0, 2, 3, 1, 4)  # [B, S, Hkv, G, D]
+        return out.reshape(batch, length, heads * head_dim)
     q_t = q.reshape(batch, length, kv_heads, groups, head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
     q_t = q_t.reshape(batch, kv_heads, groups * length, head_dim)
-    mask = visible[:, None, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * length, -1)  # [B, 1, G*S, T]
     out = F.scaled_dot_product_attention(q_t, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     out = out.reshape(batch, kv_heads, groups, length, head_dim).permute(0, 3, 1, 2, 4)  # [B, S, Hkv, G, D]
     return out.reshape(batch, length, heads * head_dim)

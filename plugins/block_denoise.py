@@ -17,8 +17,6 @@ from dflash_trt.plugins.onnx_domain import DFLASH, op
 from dflash_trt.plugins.triton_launch import KernelSpec, element_pointer, launch, upcast_dots
 from onnxscript import script
 
-NEG_INF = float("-inf")
-
 
 def block_visibility(
     query_positions: torch.Tensor, key_positions: torch.Tensor, key_valid: torch.Tensor, causal: bool, window: int | None
@@ -98,19 +96,11 @@ def BlockDenoise(
     left_ok = op.Or(op.Not(has_window), op.Less(op.Sub(q_pos, k_pos), win))
     right_ok = op.Or(op.Or(op.Not(has_window), is_causal), op.Less(op.Sub(k_pos, q_pos), win))
     visible = op.And(op.And(op.And(op.Unsqueeze(key_valid, [1]), causal_ok), left_ok), right_ok)  # [B, S, T+S]
-    heads = op.Shape(q, start=2, end=3)
-    kv_heads = op.Shape(keys, start=2, end=3)
-    groups = op.Div(heads, kv_heads)
     q_t = op.Transpose(q, perm=[0, 2, 1, 3])  # [B, H, S, D]
-    k_t = op.Transpose(keys, perm=[0, 2, 1, 3])  # [B, Hkv, T+S, D]
+    k_t = op.Transpose(keys, perm=[0, 2, 1, 3])  # [B, Hkv, T+S, D]: Attention groups the query heads itself
     v_t = op.Transpose(values, perm=[0, 2, 1, 3])
-    grouped = op.Concat(op.Shape(k_t, start=0, end=2), groups, op.Shape(k_t, start=2), axis=0)  # [B, Hkv, G, T+S, D]
-    merged = op.Concat(op.Shape(k_t, start=0, end=1), heads, op.Shape(k_t, start=2), axis=0)  # [B, H, T+S, D]
-    k_t = op.Reshape(op.Expand(op.Unsqueeze(k_t, [2]), grouped), merged)
-    v_t = op.Reshape(op.Expand(op.Unsqueeze(v_t, [2]), grouped), merged)
-    scores = op.Mul(op.MatMul(q_t, op.Transpose(k_t, perm=[0, 1, 3, 2])), op.CastLike(op.Constant(value_float=scale), q))
-    scores = op.Where(op.Unsqueeze(visible, [1]), scores, op.CastLike(op.Constant(value_float=NEG_INF), q))
-    out = op.Transpose(op.MatMul(op.Softmax(scores, axis=-1), v_t), perm=[0, 2, 1, 3])  # [B, S, H, D]
+    out = op.Attention(q_t, k_t, v_t, op.Unsqueeze(visible, [1]), scale=scale)  # [B, H, S, D]
+    out = op.Transpose(out, perm=[0, 2, 1, 3])  # [B, S, H, D]
     return op.Reshape(out, op.Concat(op.Shape(out, start=0, end=2), op.Constant(value_ints=[-1]), axis=0))
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import onnx
-from onnxscript import opset20
+from onnxscript import opset23
 from onnxscript.values import OnnxFunction, Opset
 
 DOMAIN = "dflash"
 DOMAIN_VERSION = 1
-ONNX_OPSET = 20  # the standard opset of exported graphs and of the function bodies
+ONNX_OPSET = 23  # the standard opset of exported graphs and of the function bodies
 DFLASH = Opset(DOMAIN, DOMAIN_VERSION)
-op = opset20
+op = opset23
 
 
 def attach_functions(model: onnx.ModelProto, functions: Sequence[OnnxFunction | onnx.FunctionProto]) -> onnx.ModelProto:

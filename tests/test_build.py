@@ -33,9 +33,10 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import all_nodes
 
 # Standard ONNX operators the TensorRT 10 ONNX parser supports that these graphs may use (onnx-tensorrt's
-# operator matrix), plus the dflash nodes that become plugins. Anything else would break the TensorRT build.
+# operator matrix; `Attention`, opset 23, since the TensorRT 10.14 parser), plus the dflash nodes that become
+# plugins. Anything else would break the TensorRT build.
 TENSORRT_OPS = {
-    "Add", "And", "ArgMax", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos",
+    "Add", "And", "ArgMax", "Attention", "Cast", "CastLike", "Clip", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos",
     "CumSum", "DequantizeLinear", "Div", "Equal", "Expand", "Gather", "GatherElements", "GatherND", "Greater",
     "GreaterOrEqual", "Identity", "If", "IsNaN", "Less", "LessOrEqual", "MatMul", "Max", "Min", "Mul", "Neg", "Not",
     "Or", "Pow", "QuantizeLinear", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceSum", "Reshape",

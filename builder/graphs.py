@@ -136,7 +136,7 @@ class DFlashGraphs(nn.Module):
             block, start, slots, visible_rows, uniforms, sampling, target_k, target_v, target_ssm, target_conv
         )
         # The drafter sees its context rows up to next_start: the pool's rows < start, then this block's accepted ones.
-        past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked()  # [Ld, B, R, Hkv, D]
+        past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked(block.shape[1])  # [Ld, B, R + V, Hkv, D]
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
         ctx_k = write_rows(past.k, ctx_rows[0], positions)  # [Ld, B, R + V, Hkv, D]
         ctx_v = write_rows(past.v, ctx_rows[1], positions)

@@ -131,10 +131,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     return out.reshape(batch, length, heads * head_dim)
 
 
-def write_rows(past: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Position-indexed rows after a write: past [..., B, T, H, D] (row t = position t), rows [..., B, S, H, D] at
-    positions [B, S] (each < T + S) -> [..., B, T + S, H, D] with rows[..., b, j] at row positions[b, j].
-    Functional: the caller's static cache gets the same rows written separately, so nothing is copied back."""
-    buffer = torch.cat([past, torch.zeros_like(rows)], dim=-3)
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Position-indexed rows after a write: buffer [..., B, K, H, D] (row t = position t: the past rows and room
+    for these, `PastKV.layer`), rows [..., B, S, H, D] at positions [B, S] (each < K) -> the buffer with
+    rows[..., b, j] at row positions[b, j]. Functional: the caller's static cache gets the same rows written
+    separately, so nothing is copied back."""
     index = positions[:, :, None, None].expand_as(rows)
     return buffer.scatter(-3, index, rows)

@@ -45,8 +45,9 @@ class PastKV(Protocol):
     """Position-indexed K/V of earlier tokens, per layer: row t holds position t; rows at or past a sequence's
     block start are stale (the attention masks them)."""
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([B, R, Hkv, D], same) for layer `index`."""
+    def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([B, R + room, Hkv, D], same) for layer `index`: the R past rows, then `room` rows for this call's
+        keys to be written into at their positions (`write_rows`; what they hold before is masked)."""
         ...
 
 
@@ -57,15 +58,21 @@ class StackedPast:
     k: torch.Tensor
     v: torch.Tensor
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index], self.v[index]
+    def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return with_room(self.k[index], room), with_room(self.v[index], room)
+
+
+def with_room(past: torch.Tensor, room: int) -> torch.Tensor:
+    """past [..., R, Hkv, D] -> [..., R + room, Hkv, D], the added rows zero."""
+    return torch.cat([past, past.new_zeros(*past.shape[:-3], room, *past.shape[-2:])], dim=-3)
 
 
 @dataclass
 class PooledPast:
     """Past K/V read straight from an engine's state pool, which graphs take flat: [L * N * T, Hkv, D] (layer-major,
     then slot, then position; the engine binds a view of its [L, N, T, Hkv, D] tensor, so nothing is reshaped or
-    copied). Reads the first `rows` positions of each sequence's slot: one Gather per layer."""
+    copied). Reads the first `rows` positions of each sequence's slot and `room` more (stale rows of the same slot,
+    which the engine keeps inside the pool: rows + room <= T), one Gather per layer."""
 
     k_pool: torch.Tensor  # [L * N * T, Hkv, D]
     v_pool: torch.Tensor
@@ -74,11 +81,11 @@ class PooledPast:
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
 
-    def row_index(self, layers: torch.Tensor) -> torch.Tensor:
-        """layers: [L'] -> flat row numbers [L', B, R]."""
+    def row_index(self, layers: torch.Tensor, room: int) -> torch.Tensor:
+        """layers: [L'] -> flat row numbers [L', B, R + room]."""
         rows_per_layer = self.k_pool.shape[0] // self.layers  # N * T
         first = layers[:, None] * rows_per_layer + self.slots[None, :] * self.positions  # [L', B]
-        return first[:, :, None] + torch.arange(self.rows, device=self.slots.device)  # [L', B, R]
+        return first[:, :, None] + torch.arange(self.rows + room, device=self.slots.device)  # [L', B, R + room]
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]."""
@@ -86,11 +93,12 @@ class PooledPast:
         k = self.k_pool.index_select(0, flat).unflatten(0, rows.shape)
         return k, self.v_pool.index_select(0, flat).unflatten(0, rows.shape)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather(self.row_index(torch.tensor([index], device=self.slots.device))[0])  # [B, R, Hkv, D]
+    def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gather(self.row_index(torch.tensor([index], device=self.slots.device), room)[0])  # [B, R + room, Hkv, D]
 
-    def stacked(self) -> StackedPast:
-        return StackedPast(*self.gather(self.row_index(torch.arange(self.layers, device=self.slots.device))))
+    def stacked(self, room: int) -> StackedPast:
+        """Every layer's rows and room: k, v [L, B, R + room, Hkv, D]."""
+        return StackedPast(*self.gather(self.row_index(torch.arange(self.layers, device=self.slots.device), room)))
 
 
 @dataclass
@@ -116,11 +124,11 @@ class KVCache:
         self.v[:, batch_rows, positions] = v.to(self.v.dtype)
 
 
-def key_visibility(positions: torch.Tensor, past_rows: int) -> torch.Tensor:
-    """positions: [B, S] contiguous from each row's start -> visible [B, S, R + S] over position-indexed keys (the
+def key_visibility(positions: torch.Tensor, key_rows: int) -> torch.Tensor:
+    """positions: [B, S] contiguous from each row's start -> visible [B, S, K] over K position-indexed keys (the
     past rows with the new rows written at their positions, `write_rows`): key t is visible to the token at
     position p iff t <= p. Rows at or past a row's start hold new keys or are stale; the stale ones lie past p."""
-    keys = torch.arange(past_rows + positions.shape[1], device=positions.device)  # [R + S]
+    keys = torch.arange(key_rows, device=positions.device)  # [K]
     return keys[None, None, :] <= positions[:, :, None]
 
 
@@ -166,8 +174,8 @@ class TargetAttention(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, S, E]; positions: [B, S]; visible: [B, S, R + S]; past_k/v: [B, R, Hkv, D] position-indexed
-        -> (out, k, v [B, S, Hkv, D])."""
+        """x: [B, S, E]; positions: [B, S]; visible: [B, S, R + S]; past_k/v: [B, R + S, Hkv, D] position-indexed
+        (the past rows and room for these S, `PastKV.layer`) -> (out, k, v [B, S, Hkv, D])."""
         q = self.q_proj(x).unflatten(-1, (-1, self.head_dim * (2 if self.gated else 1)))  # [B, S, H, D or 2D]
         q, gate = q.chunk(2, dim=-1) if self.gated else (q, None)  # [B, S, H, D] each
         k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [B, S, Hkv, D]
@@ -294,7 +302,7 @@ class TargetNetwork(nn.Module):
                 states.append(state)
                 tapes.append(tape)
             else:
-                past_k, past_v = past.layer(len(new_k))
+                past_k, past_v = past.layer(len(new_k), input_ids.shape[1])  # [B, R + S, Hkv, D]
                 if visible is None:
                     visible = key_visibility(positions, past_k.shape[1])  # [B, S, R + S], shared by every layer
                 x, k, v = layer(x, cos, sin, positions, visible, past_k, past_v)

@@ -142,7 +142,7 @@ class GraphEngine:
 
     def call(self, graph: str, batch: StepBatch) -> dict[str, torch.Tensor]:
         """`run`, returning every output the runner gave (a runner may give more than the graph schema's)."""
-        visible = self._visible_rows(int(batch.start.max()))
+        visible = self._visible_rows(int(batch.start.max()), batch.block.shape[1])
         inputs = {
             "draft_slots": self._carrier(max(batch.drafts, 1)),
             "block": batch.block,
@@ -158,9 +158,11 @@ class GraphEngine:
         self._write_rows(out, batch.slots, positions)
         return out
 
-    def _visible_rows(self, largest_start: int) -> torch.Tensor:
-        """A shape carrier of length R >= largest_start, rounded up to ROW_BUCKET (at most the pool's positions)."""
-        return self._carrier(min(-(-max(largest_start, 1) // ROW_BUCKET) * ROW_BUCKET, self.spec.positions))
+    def _visible_rows(self, largest_start: int, width: int) -> torch.Tensor:
+        """A shape carrier of length R >= largest_start, rounded up to ROW_BUCKET, with R + width <= the pool's
+        positions: graphs read R + width rows of a slot (the past, then room for the block's keys)."""
+        rounded = -(-max(largest_start, 1) // ROW_BUCKET) * ROW_BUCKET
+        return self._carrier(min(rounded, self.spec.positions - width))
 
     def _carrier(self, length: int) -> torch.Tensor:
         """An int64 tensor whose length is the value a graph reads from it (kept: made once per length)."""

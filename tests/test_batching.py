@@ -295,3 +295,15 @@ def test_a_bad_request_is_refused_and_the_batch_goes_on(engine: GraphEngine) -> 
     while scheduler.busy:
         scheduler.step()
     assert good.tokens == generate(engine, good.prompt, 20).tokens
+
+
+def test_a_block_at_the_last_positions_reads_only_its_own_slot(tiny_targets: dict[str, Path], trained_drafter: Path) -> None:
+    """Graphs read R + width rows of a slot (the past, then room for the block's keys). With max_seq_len 250 and
+    blocks of 16 a slot has 266 rows, and the last position's past rounds up to 256 rows: the engine must read
+    fewer, or the last layer's last slot would read past the pool (and other slots would read their neighbour's)."""
+    pair = load_pair(tiny_targets["qwen3"], trained_drafter)
+    small = torch_engine(*pair, max_seq_len=250, max_batch=1)
+    assert small.spec.positions == 266 and small.block_size == 16
+    prompt = [int(t) for t in torch.randint(0, small.vocab_size, (200,), generator=torch.Generator().manual_seed(3))]
+    plain = generate_plain(small, prompt, max_new_tokens=50).tokens  # ends at position 249
+    assert generate(small, prompt, max_new_tokens=50, policy=FixedVerify(small.block_size - 1)).tokens == plain

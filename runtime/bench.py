@@ -31,7 +31,7 @@ import torch
 from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_repository_manifest
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
-from dflash_trt.runtime.load_bench import load_table
+from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
@@ -274,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=2,
-        help="with --concurrency: rounds of the three modes (one at a time, then DFlash and plain batched back to "
-        "back, which first alternating by round), each mode's rounds pooled (so a drift in the machine's speed "
-        "weighs on DFlash and plain alike)",
+        help="with --concurrency: rounds of the three modes (one at a time, then at each level DFlash and plain "
+        "batched back to back, which first alternating by round), each mode's rounds pooled (so a drift in the "
+        "machine's speed weighs on DFlash and plain alike)",
+    )
+    parser.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=REQUESTS_PER_CLIENT,
+        help="with --concurrency: about this many requests from each client per run, in whole passes over the "
+        f"prompts (default {REQUESTS_PER_CLIENT}: the batch stays full for most of the run instead of draining)",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round")
+    if args.requests_per_client < 1:
+        parser.error(f"--requests-per-client {args.requests_per_client}: each client sends at least one request")
     repository = read_repository_manifest(args.repo) if (args.repo / MANIFEST).is_file() else {}
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
@@ -308,9 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     greedy = args.temperature == 0
 
     if levels:
-        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds)
+        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, args.requests_per_client)
         if args.json:
-            settings = {"threads": args.threads, "max_tokens": args.max_tokens, "dataset": args.dataset, "rounds": args.rounds}
+            settings = {
+                "threads": args.threads,
+                "max_tokens": args.max_tokens,
+                "dataset": args.dataset,
+                "prompts": len(prompts),
+                "rounds": args.rounds,
+                "requests_per_client": args.requests_per_client,
+            }
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0
     threads = engine_threads(manifest, args.threads)

@@ -66,13 +66,17 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
     decoding's in every round; each row's ratios are over the same level's other modes."""
     out = tmp_path / "load.json"
     command = ["--repo", str(tiny_repo), "--dataset", str(_prompts_file(tmp_path / "prompts.jsonl")), "--num-prompts", "3",
-               "--max-tokens", "24", "--concurrency", "1,2", "--rounds", "2", "--json", str(out)]  # fmt: skip
+               "--max-tokens", "24", "--concurrency", "1,2", "--rounds", "2", "--requests-per-client", "2",
+               "--json", str(out)]  # fmt: skip
     assert dflash_bench(command) == 0
     results = json.loads(out.read_text())
-    assert results["settings"]["rounds"] == 2
+    assert results["settings"]["rounds"] == 2 and results["settings"]["requests_per_client"] == 2
     rows = {(row["concurrency"], row["mode"]): row for row in results["rows"]}
     assert set(rows) == {(c, m) for c in (1, 2) for m in ("dflash", "one-at-a-time", "plain")}
     assert all(row["identical_to_plain"] for row in rows.values())
+    # whole passes over the 3 prompts, >= 2 per client; one at a time runs the largest level's count, once per round
+    assert [rows[(c, "dflash")]["requests_per_round"] for c in (1, 2)] == [3, 6]
+    assert rows[(1, "one-at-a-time")]["requests_per_round"] == 6
     for c in (1, 2):
         plain, dflash = rows[(c, "plain")], rows[(c, "dflash")]
         assert plain["over_plain"] == 1.0 and plain["mean_verify_width"] == 1.0
@@ -81,29 +85,43 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
 
 
 def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each round runs one at a time first, then DFlash and plain back to back, which first alternating by round
-    (the pair the goals compare always runs side by side); a mode's rounds are pooled (tokens and seconds added),
-    and a mode whose rounds disagree is not reported identical to plain."""
-    order: list[str] = []
+    """Each round runs one at a time once, then at each level DFlash and plain back to back, which first
+    alternating by round (the pair the goals compare always runs side by side); a mode's rounds are pooled (tokens
+    and seconds added), and a mode whose rounds disagree is not reported identical to plain."""
+    order: list[tuple[str, int, int]] = []
 
     def fake_run(engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, mode: str) -> LoadResult:
-        order.append(mode)
+        order.append((mode, concurrency, requests))
         flaky = mode == "one-at-a-time" and len(order) > 3
         return LoadResult(mode, concurrency, requests, 100, 2.0 if mode == "dflash" else 1.0, outputs={0: [2 if flaky else 1]})
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
-    engine = SimpleNamespace(pool=SimpleNamespace(slots=4))
-    rows = load_bench.load_table(engine, [[1, 2]], 8, [4], rounds=2)  # type: ignore[arg-type]
-    assert order == ["one-at-a-time", "dflash", "plain", "one-at-a-time", "plain", "dflash"]
-    by_mode = {row["mode"]: row for row in rows}
-    assert by_mode["dflash"]["tok_s"] == 50.0 and by_mode["plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
-    assert by_mode["dflash"]["identical_to_plain"] and not by_mode["one-at-a-time"]["identical_to_plain"]
+    engine = SimpleNamespace(pool=SimpleNamespace(slots=8))
+    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2)  # type: ignore[arg-type]
+    assert order == [
+        ("one-at-a-time", 1, 32), ("dflash", 1, 4), ("plain", 1, 4), ("dflash", 8, 32), ("plain", 8, 32),
+        ("one-at-a-time", 1, 32), ("plain", 1, 4), ("dflash", 1, 4), ("plain", 8, 32), ("dflash", 8, 32),
+    ]  # fmt: skip
+    by_mode = {(row["concurrency"], row["mode"]): row for row in rows}
+    assert by_mode[8, "dflash"]["tok_s"] == 50.0 and by_mode[8, "plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
+    assert by_mode[8, "dflash"]["identical_to_plain"] and not by_mode[8, "one-at-a-time"]["identical_to_plain"]
+
+
+def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:
+    """Two requests of one prompt in one run that disagree (a row's bits depending on its batch) fail the check."""
+    result = LoadResult("dflash", 2, 2, 0, 1.0)
+    result.record(0, [5, 6])
+    result.record(1, [7])
+    assert result.consistent
+    result.record(0, [5, 9])
+    assert not result.consistent and result.outputs[0] == [5, 6]
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         (["--rounds", "0"], "--rounds 0: run at least one round"),
+        (["--requests-per-client", "0"], "--requests-per-client 0: each client sends at least one request"),
         (["--block-size", "8"], "this engine was built with block size 16; rebuild with dflash-build --block-size 8"),
         (["--dataset", "no-such-file.jsonl"], "is neither builtin, humaneval, mt-bench nor an existing JSON-lines file"),
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),

@@ -109,7 +109,9 @@ def run_load(
     policy, max_active = policy_for(mode, engine)
     scheduler = Scheduler(engine, policy, max_active)
     pending = deque(range(requests))
-    started: dict[int, tuple[int, float]] = {}  # id(sequence) -> (request number, submit time)
+    # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its id
+    # can then be the next request's)
+    started: dict[int, tuple[int, float]] = {}
     last_token: dict[int, float] = {}
 
     def submit() -> None:
@@ -131,16 +133,17 @@ def run_load(
             result.widths.append(scheduler.last_width)
         for sequence, tokens in emitted:
             key = id(sequence)
-            if not tokens:
-                continue
-            if key not in last_token:
-                result.ttfts.append(now - started[key][1])
-            else:
-                result.inter_token.extend([(now - last_token[key]) / len(tokens)] * len(tokens))
-            last_token[key] = now
-            result.tokens += len(tokens)
+            if tokens:
+                if key not in last_token:
+                    result.ttfts.append(now - started[key][1])
+                else:
+                    result.inter_token.extend([(now - last_token[key]) / len(tokens)] * len(tokens))
+                last_token[key] = now
+                result.tokens += len(tokens)
             if sequence.finished:
-                result.record(started[key][0] % len(prompts), sequence.tokens)
+                number, _ = started.pop(key)
+                last_token.pop(key, None)
+                result.record(number % len(prompts), sequence.tokens)
                 if pending:
                     submit()
     result.seconds = time.perf_counter() - began
@@ -179,10 +182,10 @@ def load_table(
     alone: LoadResult | None = None
     batched: dict[tuple[int, str], LoadResult] = {}
     for number in range(rounds):
-        alone = _pooled(alone, run_load(engine, prompts, max_tokens, 1, max(requests.values()), "one-at-a-time"))
+        alone = _pooled(alone, _timed_run(engine, prompts, max_tokens, 1, max(requests.values()), "one-at-a-time", number))
         for concurrency in levels:
             for mode in round_order(number):
-                result = run_load(engine, prompts, max_tokens, concurrency, requests[concurrency], mode)
+                result = _timed_run(engine, prompts, max_tokens, concurrency, requests[concurrency], mode, number)
                 batched[concurrency, mode] = _pooled(batched.get((concurrency, mode)), result)
     assert alone is not None  # rounds >= 1
     rows = []
@@ -203,6 +206,19 @@ def load_table(
                 flush=True,
             )
     return rows
+
+
+def _timed_run(
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str, number: int
+) -> LoadResult:
+    """`run_load`, with a progress line: a table's runs take minutes each."""
+    result = run_load(engine, prompts, max_tokens, concurrency, requests, mode)
+    print(
+        f"[dflash-bench] round {number + 1}: {mode} with {concurrency} clients, {requests} requests: "
+        f"{result.tokens / result.seconds:.1f} tok/s over {result.seconds:.0f} s",
+        flush=True,
+    )
+    return result
 
 
 def _pooled(pooled: LoadResult | None, result: LoadResult) -> LoadResult:

@@ -12,6 +12,7 @@ import pytest
 from dflash_trt.runtime import load_bench
 from dflash_trt.runtime.bench import main as dflash_bench
 from dflash_trt.runtime.load_bench import LoadResult
+from dflash_trt.runtime.repository import load_engine
 
 
 def _prompts_file(path: Path) -> Path:
@@ -105,6 +106,16 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
     by_mode = {(row["concurrency"], row["mode"]): row for row in rows}
     assert by_mode[8, "dflash"]["tok_s"] == 50.0 and by_mode[8, "plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
     assert by_mode[8, "dflash"]["identical_to_plain"] and not by_mode[8, "one-at-a-time"]["identical_to_plain"]
+
+
+def test_every_request_gets_one_time_to_first_token_however_many_follow(tiny_repo: Path) -> None:
+    """A closed-loop run of many more requests than clients: each request's first tokens give one TTFT sample and
+    its later ones inter-token gaps, never a gap measured from an earlier request's last token (CPython reuses the
+    id of a finished request's object for the next one)."""
+    engine, _ = load_engine(tiny_repo, threads=2, max_batch=2)
+    result = load_bench.run_load(engine, [[5, 6, 7], [8, 9]], 6, 2, 24, "plain")
+    assert result.tokens == 24 * 6 and len(result.ttfts) == 24
+    assert len(result.inter_token) == result.tokens - 24 * 2  # a request's first emission: its prefill's and its first step's
 
 
 def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:

@@ -181,11 +181,12 @@ def load_table(
     requests = {concurrency: requests_at(concurrency, len(prompts), per_client) for concurrency in levels}
     alone: LoadResult | None = None
     batched: dict[tuple[int, str], LoadResult] = {}
+    alone_requests = max(requests.values())
     for number in range(rounds):
-        alone = _pooled(alone, _timed_run(engine, prompts, max_tokens, 1, max(requests.values()), "one-at-a-time", number))
+        alone = _pooled(alone, _run_with_progress(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", number))
         for concurrency in levels:
             for mode in round_order(number):
-                result = _timed_run(engine, prompts, max_tokens, concurrency, requests[concurrency], mode, number)
+                result = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], mode, number)
                 batched[concurrency, mode] = _pooled(batched.get((concurrency, mode)), result)
     assert alone is not None  # rounds >= 1
     rows = []
@@ -208,7 +209,7 @@ def load_table(
     return rows
 
 
-def _timed_run(
+def _run_with_progress(
     engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str, number: int
 ) -> LoadResult:
     """`run_load`, with a progress line: a table's runs take minutes each."""

@@ -30,7 +30,6 @@ from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.scheduler import AdaptiveVerify, PlainDecoding, Scheduler, VerifyPolicy
 
-MODES = ("dflash", "one-at-a-time", "plain")
 REQUESTS_PER_CLIENT = 4  # requests each client sends in a run, about (`requests_at`)
 
 

@@ -165,19 +165,15 @@ class AdaptiveVerify:
     def step_cost(self, batch: int, drafts: int) -> float | None:
         """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on steps
         of that kind (`run{k}`) at this batch size or between two measured ones, else from its parts (verify by
-        tokens + drafting by batch): per-row costs fall with the batch, so a larger batch is never extrapolated
-        from a smaller one's steps."""
+        tokens + drafting by the block slots it denoises, batch x (1 + drafts)): per-row costs fall with the batch,
+        so a larger batch is never extrapolated from a smaller one's steps."""
         runs = self.costs.seconds.get(f"run{drafts}", {})
         if batch in runs or (runs and min(runs) < batch < max(runs)):
             return self.costs.estimate(f"run{drafts}", batch)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
             return verify
-        measured = [k for k in range(1, self.block_size) if f"draft{k}" in self.costs.seconds]
-        if not measured:
-            return None
-        nearest = min(measured, key=lambda k: abs(k - drafts))
-        draft = self.costs.estimate(f"draft{nearest}", batch)
+        draft = self.costs.estimate("draft", batch * (drafts + 1))
         return None if draft is None else verify + draft
 
     def expected_rates(self, batch: int) -> list[float]:
@@ -249,10 +245,10 @@ class AdaptiveVerify:
             self.costs.record(f"run{drafted}", batch, seconds)
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
-        elif graph == "step":  # what it cost beyond verifying is the drafter's
+        elif graph == "step":  # what it cost beyond verifying is the drafter's, by the block slots it denoised
             verify = self.costs.estimate("verify", batch * width)
             if verify is not None:
-                self.costs.record(f"draft{drafted}", batch, max(seconds - verify, 0.0))
+                self.costs.record("draft", batch * (1 + drafted), max(seconds - verify, 0.0))
 
     def _learn_acceptance(self, width: int, accept_lens: list[int]) -> None:
         """Count what a step verified and accepted. Old observations decay, but never below `evidence_floor` per

@@ -88,13 +88,13 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     policy = AdaptiveVerify(engine.block_size, StepCosts(), explore_budget=1e9)
     for tokens in (1, 2, 4, 8, 16, 64):
         policy.costs.record("verify", tokens, 0.01 + 0.0005 * tokens)  # a verify of 16 costs under twice one of 1
-    policy.costs.record("draft15", 1, 0.001)
+    policy.costs.record("draft", 16, 0.001)  # drafting 15 at one row: 16 block slots
     for step in range(policy.warmup_rows):  # acceptance is measured before it is weighed
         assert policy.choose(1) == engine.block_size - 1, f"warm-up step {step}"
         policy.observe("step", 1, engine.block_size, 0.019, [0], drafted=engine.block_size - 1)
-    policy.costs.seconds["draft15"], policy.costs.seconds["run15"] = {1: 1.0}, {1: 1.018}  # drafting made costly
+    policy.costs.seconds["draft"], policy.costs.seconds["run15"] = {16: 1.0}, {1: 1.018}  # drafting made costly
     assert policy.choose(1) == 0
-    policy.costs.seconds["draft15"], policy.costs.seconds["run15"] = {1: 0.001}, {1: 0.019}  # drafting made cheap
+    policy.costs.seconds["draft"], policy.costs.seconds["run15"] = {16: 0.001}, {1: 0.019}  # drafting made cheap
     policy.accepted[1:] = policy.reached[1:]  # every draft accepted so far: verifying all pays
     assert policy.choose(1) == engine.block_size - 1
     policy.accepted[3:] = 0.0  # nothing past the second draft is ever accepted: verify two
@@ -115,8 +115,8 @@ def test_adaptive_verify_warms_up_only_where_drafting_could_pay() -> None:
     policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9)
     for tokens, seconds in ((1, 0.030), (16, 0.045), (64, 0.300), (256, 1.200)):
         policy.costs.record("verify", tokens, seconds)
-    policy.costs.record("draft15", 1, 0.010)
-    policy.costs.record("draft15", 16, 0.100)
+    policy.costs.record("draft", 16, 0.010)  # 1 row x 16 block slots
+    policy.costs.record("draft", 256, 0.100)  # 16 rows
     for _ in range(3):
         assert policy.choose(16) == 0
         policy.observe("verify", 16, 1, 0.045, [0] * 16)
@@ -139,8 +139,21 @@ def test_adaptive_verify_learns_costs_from_warm_shapes_only() -> None:
     assert policy.step_cost(1, 2) == 0.030
     assert policy.step_cost(4, 2) is None, "no verify or drafting cost known at batch 4"
     policy.costs.record("verify", 12, 0.040)
-    policy.costs.record("draft2", 4, 0.010)
+    policy.costs.record("draft", 12, 0.010)  # 4 rows x 3 block slots
     assert policy.step_cost(4, 2) == pytest.approx(0.050)
+
+
+def test_drafting_cost_at_a_new_batch_size_comes_from_the_block_slots_denoised() -> None:
+    """Before a step of k drafts has run at a batch size, its drafting is estimated from drafting the same number of
+    block slots (batch x (1 + k)) elsewhere: 4 rows drafting 2 from 1 row drafting 11, not from 4 rows drafting 15."""
+    policy = AdaptiveVerify(16, StepCosts())
+    for tokens, seconds in ((1, 0.030), (12, 0.040), (16, 0.045), (64, 0.090)):
+        policy.costs.record("verify", tokens, seconds)
+    policy.observe("step", 1, 12, 0.048, [0], drafted=11)
+    policy.observe("step", 1, 12, 0.048, [0], drafted=11)  # 12 block slots drafted: 8 ms beyond the verify
+    policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)
+    policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)  # 64 block slots: 90 ms beyond verifying 4 tokens
+    assert policy.step_cost(4, 2) == pytest.approx(0.040 + 0.008)
 
 
 def test_adaptive_verify_is_not_switched_on_by_one_lucky_draft() -> None:

@@ -25,6 +25,8 @@ from dflash_trt.runtime.engine import GraphEngine, StepBatch, StepResult
 from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
 from dflash_trt.runtime.sampling import SamplingTensors
 
+CALIBRATED_DRAFTS = 3  # above batch 1, `AdaptiveVerify.calibrate` times steps of 1 .. this many drafts
+
 
 class VerifyPolicy(Protocol):
     """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
@@ -264,14 +266,17 @@ class AdaptiveVerify:
 
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
         """Time, on free slots with throw-away rows at `context` positions (at most half the engine's length): at
-        batch 1, the step for every k (verify k drafts, draft k); at batch 1, 2, 4 ..., the verify graph at 1 and
-        B tokens per row and drafting. The first choices are then informed, and every batch-1 shape has run once;
-        live steps measure the steps they run."""
+        batch 1, the step for every k (verify k drafts, draft k); at batch 2, 4 ..., the step for the first
+        `CALIBRATED_DRAFTS` k; at every batch, the verify graph at 1 and B tokens per row and drafting. The first
+        choices are then informed, and every batch-1 shape has run once; live steps measure the steps they run.
+        The few-draft steps are timed at every batch because costs from parts mislead there: a 2-token verify of 16
+        rows reads 16 contexts, and the 32-token calls the parts were timed at read one or two."""
         drafts = engine.block_size - 1
         start = min(context, engine.max_seq_len // 2)
-        for k in range(1, engine.block_size):
-            self._calibrated("step", 1, k + 1, k, time_call(engine, "step", 1, k + 1, k, start))
         for batch in calibration_batches(engine, max_tokens):
+            for k in range(1, engine.block_size if batch == 1 else CALIBRATED_DRAFTS + 1):
+                if batch * (k + 1) <= max_tokens:
+                    self._calibrated("step", batch, k + 1, k, time_call(engine, "step", batch, k + 1, k, start))
             for width in (1, engine.block_size):
                 if batch * width <= max_tokens:
                     self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))

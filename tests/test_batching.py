@@ -13,7 +13,15 @@ from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence, generate, generate_plain
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, PlainDecoding, Scheduler, StepCosts
+from dflash_trt.runtime.scheduler import (
+    CALIBRATED_DRAFTS,
+    AdaptiveVerify,
+    FixedVerify,
+    PlainDecoding,
+    Scheduler,
+    StepCosts,
+    calibration_batches,
+)
 
 SLOTS = 4
 
@@ -154,6 +162,20 @@ def test_drafting_cost_at_a_new_batch_size_comes_from_the_block_slots_denoised()
     policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)
     policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)  # 64 block slots: 90 ms beyond verifying 4 tokens
     assert policy.step_cost(4, 2) == pytest.approx(0.040 + 0.008)
+
+
+def test_adaptive_verify_calibrates_few_draft_steps_at_every_batch_size(engine: GraphEngine) -> None:
+    """Calibration times steps of 1 .. CALIBRATED_DRAFTS drafts at every batch size it calibrates (costed from parts
+    they mislead at larger batches), every k at batch 1, and hands every slot back."""
+    free = engine.pool.free_slots
+    batches = calibration_batches(engine, 256)
+    policy = AdaptiveVerify(engine.block_size)
+    policy.calibrate(engine, max_tokens=256)
+    assert len(batches) > 2
+    for k in range(1, CALIBRATED_DRAFTS + 1):
+        assert sorted(policy.costs.seconds[f"run{k}"]) == [b for b in batches if b * (k + 1) <= 256], f"k = {k}"
+    assert sorted(policy.costs.seconds[f"run{CALIBRATED_DRAFTS + 1}"]) == [1]
+    assert engine.pool.free_slots == free
 
 
 def test_adaptive_verify_is_not_switched_on_by_one_lucky_draft() -> None:

@@ -274,7 +274,8 @@ class AdaptiveVerify:
         drafts = engine.block_size - 1
         start = min(context, engine.max_seq_len // 2)
         for batch in calibration_batches(engine, max_tokens):
-            for k in range(1, engine.block_size if batch == 1 else CALIBRATED_DRAFTS + 1):
+            most = drafts if batch == 1 else CALIBRATED_DRAFTS
+            for k in range(1, most + 1):
                 if batch * (k + 1) <= max_tokens:
                     self._calibrated("step", batch, k + 1, k, time_call(engine, "step", batch, k + 1, k, start))
             for width in (1, engine.block_size):

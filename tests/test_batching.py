@@ -160,7 +160,7 @@ def test_drafting_cost_at_a_new_batch_size_comes_from_the_block_slots_denoised()
     policy.observe("step", 1, 12, 0.048, [0], drafted=11)
     policy.observe("step", 1, 12, 0.048, [0], drafted=11)  # 12 block slots drafted: 8 ms beyond the verify
     policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)
-    policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)  # 64 block slots: 90 ms beyond verifying 4 tokens
+    policy.observe("step", 4, 1, 0.120, [0] * 4, drafted=15)  # 64 block slots: 87 ms beyond verifying 4 tokens
     assert policy.step_cost(4, 2) == pytest.approx(0.040 + 0.008)
 
 

@@ -166,17 +166,29 @@ class AdaptiveVerify:
 
     def step_cost(self, batch: int, drafts: int) -> float | None:
         """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on steps
-        of that kind (`run{k}`) at this batch size or between two measured ones, else from its parts (verify by
-        tokens + drafting by the block slots it denoises, batch x (1 + drafts)): per-row costs fall with the batch,
-        so a larger batch is never extrapolated from a smaller one's steps."""
+        of that kind (`run{k}`) at this batch size or between two measured ones, scaled by how the plain step's cost
+        has moved since (`_plain_drift`); else from its parts (verify by tokens + drafting by the block slots it
+        denoises, batch x (1 + drafts)): per-row costs fall with the batch, so a larger batch is never extrapolated
+        from a smaller one's steps."""
         runs = self.costs.seconds.get(f"run{drafts}", {})
         if batch in runs or (runs and min(runs) < batch < max(runs)):
-            return self.costs.estimate(f"run{drafts}", batch)
+            measured = self.costs.estimate(f"run{drafts}", batch)
+            return None if measured is None else measured * self._plain_drift(batch, drafts)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
             return verify
         draft = self.costs.estimate("draft", batch * (drafts + 1))
         return None if draft is None else verify + draft
+
+    def _plain_drift(self, batch: int, drafts: int) -> float:
+        """How the plain step's cost at this batch size (k = 0, measured by nearly every step where drafting does
+        not pay) has moved since steps of `drafts` were timed here: now / then. Costs of a k rarely run are scaled
+        by it, so a comparison with the plain step is between costs of one moment: a plain step whose context has
+        grown, or that ran in a slow minute, is not weighed against a k-step timed at calibration (at batch 16 on
+        the demo pair, 2 cores, that made a 1-draft step read 1.42 plain steps where it cost 1.5-1.6)."""
+        then = self.costs.estimate(f"plain_when_run{drafts}", batch) if drafts else None
+        now = self.step_cost(batch, 0) if then else None
+        return 1.0 if then is None or now is None else now / then
 
     def expected_rates(self, batch: int) -> list[float]:
         """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
@@ -243,7 +255,10 @@ class AdaptiveVerify:
         self._record_cost(graph, batch, width, seconds, drafted)
 
     def _record_cost(self, graph: str, batch: int, width: int, seconds: float, drafted: int) -> None:
-        if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is
+        if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is, and the plain step's then
+            plain = self.step_cost(batch, 0) if drafted else None
+            if plain is not None:
+                self.costs.record(f"plain_when_run{drafted}", batch, plain)
             self.costs.record(f"run{drafted}", batch, seconds)
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
@@ -274,13 +289,13 @@ class AdaptiveVerify:
         drafts = engine.block_size - 1
         start = min(context, engine.max_seq_len // 2)
         for batch in calibration_batches(engine, max_tokens):
+            for width in (1, engine.block_size):  # the plain step (width 1) first: the steps below are scaled by it
+                if batch * width <= max_tokens:
+                    self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
             most = drafts if batch == 1 else CALIBRATED_DRAFTS
             for k in range(1, most + 1):
                 if batch * (k + 1) <= max_tokens:
                     self._calibrated("step", batch, k + 1, k, time_call(engine, "step", batch, k + 1, k, start))
-            for width in (1, engine.block_size):
-                if batch * width <= max_tokens:
-                    self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
             if batch * engine.block_size <= max_tokens:
                 self._calibrated("step", batch, 1, drafts, time_call(engine, "step", batch, 1, drafts, start))
 

@@ -164,6 +164,27 @@ def test_drafting_cost_at_a_new_batch_size_comes_from_the_block_slots_denoised()
     assert policy.step_cost(4, 2) == pytest.approx(0.040 + 0.008)
 
 
+def test_rarely_run_step_costs_follow_the_plain_steps_cost() -> None:
+    """At 16 rows a 1-draft step costs 1.5 plain steps when both are timed together (calibration). When live plain
+    steps later read 25% slower (longer contexts, a slow minute), the 1-draft step is costed 25% slower too, not at
+    its old time against the new plain one: with first drafts accepted 45% of the time drafting stays off (1.45
+    tokens for 1.5 plain steps), where the unscaled costs (1.2 plain steps) would switch it on."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0)
+    policy._calibrated("verify", 16, 1, 0, 0.080)
+    policy._calibrated("step", 16, 2, 1, 0.120)
+    policy.reached[1], policy.accepted[1] = 100.0, 45.0
+    policy.accepted[2:] = 0.0
+    assert policy.choose(16) == 0
+    for _ in range(20):
+        policy.observe("verify", 16, 1, 0.100, [0] * 16)
+    plain = policy.step_cost(16, 0)
+    assert plain == pytest.approx(0.100, rel=0.01)
+    assert policy.step_cost(16, 1) == pytest.approx(1.5 * plain)
+    assert policy.choose(16) == 0
+    policy.observe("step", 16, 2, 0.140, [0] * 16, drafted=1)  # a look at k = 1: its cost now, next to today's plain step
+    assert 0.140 < policy.step_cost(16, 1) < 0.150, "between the look's time and the scaled calibration"
+
+
 def test_adaptive_verify_calibrates_few_draft_steps_at_every_batch_size(engine: GraphEngine) -> None:
     """Calibration times steps of 1 .. CALIBRATED_DRAFTS drafts at every batch size it calibrates (costed from parts
     they mislead at larger batches), every k at batch 1, and hands every slot back."""

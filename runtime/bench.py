@@ -275,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2,
         help="with --concurrency: rounds of the three modes (one at a time, then at each level DFlash and plain "
-        "batched back to back, which first alternating by round), each mode's rounds pooled (so a drift in the "
-        "machine's speed weighs on DFlash and plain alike)",
+        "batched side by side in lock step, each timed on its own clock, so a drift in the machine's speed weighs "
+        "on both alike), each mode's rounds pooled",
     )
     parser.add_argument(
         "--requests-per-client",
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
     try:
-        engine, manifest = load_engine(args.repo, args.threads, max(levels, default=1))
+        slots = 2 * max(levels) if levels else 1  # --concurrency: DFlash and plain decoding side by side
+        engine, manifest = load_engine(args.repo, args.threads, slots)
     except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do
         parser.error(str(refusal))
     if args.block_size is not None and args.block_size != engine.block_size:

@@ -14,8 +14,10 @@ the longest run is the most favourable to it (its verify policy has learnt accep
 
 Reports aggregate generated tok/s, p50/p99 time to first token and inter-token latency (gap between a client's
 successive tokens, a step's tokens spread evenly over the step), and the share of each step spent on the host.
-The modes run in rounds, DFlash and plain back to back in an order reversed every other round, and each mode's
-rounds are pooled: a machine whose speed drifts during the minutes a table takes weighs on every mode alike.
+At each level DFlash and plain decoding run side by side in lock step (`run_load`): each its own scheduler on its
+own slots of the engine, their steps taken in turn, each timed on its own clock (its own steps' seconds: TTFT and
+inter-token gaps too). Back-to-back runs could not tell them apart on a CPU whose speed drifts by up to 18% from one
+minute to the next; in lock step the drift weighs on both alike. Rounds are pooled (tokens and seconds added).
 """
 
 from __future__ import annotations
@@ -89,71 +91,99 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def policy_for(mode: str, engine: GraphEngine) -> tuple[VerifyPolicy, int | None]:
-    """(verify policy, max active sequences) of a mode."""
-    if mode == "plain":
-        plain = PlainDecoding()
-        plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
-        return plain, None
-    policy = AdaptiveVerify(engine.block_size)
-    policy.calibrate(engine)
-    return policy, (1 if mode == "one-at-a-time" else None)
+def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy, int | None]:
+    """(verify policy, max active sequences) of a mode whose scheduler gets `slots` of the engine's slots: its
+    policy calibrates on that many (the other modes' slots held meanwhile)."""
+    held = [engine.pool.acquire() for _ in range(max(engine.pool.free_slots - slots, 0))]
+    try:
+        if mode == "plain":
+            plain = PlainDecoding()
+            plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
+            return plain, None
+        policy = AdaptiveVerify(engine.block_size)
+        policy.calibrate(engine)
+        return policy, (1 if mode == "one-at-a-time" else None)
+    finally:
+        for slot in held:
+            engine.pool.release(slot)
 
 
-def run_load(
-    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str
-) -> LoadResult:
-    """`requests` requests over `concurrency` closed-loop clients (prompts taken in turn), all greedy."""
-    result = LoadResult(mode, concurrency, requests, 0, 0.0)
-    policy, max_active = policy_for(mode, engine)
-    scheduler = Scheduler(engine, policy, max_active)
-    pending = deque(range(requests))
-    # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its id
-    # can then be the next request's)
-    started: dict[int, tuple[int, float]] = {}
-    last_token: dict[int, float] = {}
+class _ClosedLoop:
+    """One mode's clients: `requests` requests over `concurrency` closed-loop clients on its own scheduler, timed on
+    its own clock (the seconds of its own steps), so modes stepping in turn each measure what they would alone."""
 
-    def submit() -> None:
-        number = pending.popleft()
-        sequence = Sequence(prompts[number % len(prompts)], max_tokens)
-        scheduler.submit(sequence)
-        started[id(sequence)] = (number, time.perf_counter())
+    def __init__(
+        self, engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str
+    ) -> None:
+        self.prompts, self.max_tokens = prompts, max_tokens
+        self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
+        policy, max_active = policy_for(mode, engine, concurrency)
+        self.scheduler = Scheduler(engine, policy, max_active or concurrency)
+        self.pending = deque(range(requests))
+        # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
+        # id can then be the next request's)
+        self.started: dict[int, tuple[int, float]] = {}
+        self.last_token: dict[int, float] = {}
+        for _ in range(min(concurrency, requests)):
+            self._submit()
 
-    began = time.perf_counter()
-    for _ in range(min(concurrency, requests)):
-        submit()
-    while scheduler.busy:
-        step_began = time.perf_counter()
-        emitted = scheduler.step()
-        now = time.perf_counter()
+    def _submit(self) -> None:
+        number = self.pending.popleft()
+        sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens)
+        self.scheduler.submit(sequence)
+        self.started[id(sequence)] = (number, self.result.seconds)
+
+    def step(self) -> None:
+        """One scheduler step; its seconds advance this mode's clock."""
+        began = time.perf_counter()
+        emitted = self.scheduler.step()
+        elapsed = time.perf_counter() - began
+        now = self.result.seconds = self.result.seconds + elapsed
+        result, scheduler = self.result, self.scheduler
         if scheduler.last_batch:
-            result.step_seconds.append(now - step_began - scheduler.last_prefill_seconds)
+            result.step_seconds.append(elapsed - scheduler.last_prefill_seconds)
             result.graph_seconds.append(scheduler.last_graph_seconds)
             result.widths.append(scheduler.last_width)
         for sequence, tokens in emitted:
             key = id(sequence)
             if tokens:
-                if key not in last_token:
-                    result.ttfts.append(now - started[key][1])
+                if key not in self.last_token:
+                    result.ttfts.append(now - self.started[key][1])
                 else:
-                    result.inter_token.extend([(now - last_token[key]) / len(tokens)] * len(tokens))
-                last_token[key] = now
+                    result.inter_token.extend([(now - self.last_token[key]) / len(tokens)] * len(tokens))
+                self.last_token[key] = now
                 result.tokens += len(tokens)
             if sequence.finished:
-                number, _ = started.pop(key)
-                last_token.pop(key, None)
-                result.record(number % len(prompts), sequence.tokens)
-                if pending:
-                    submit()
-    result.seconds = time.perf_counter() - began
-    return result
+                number, _ = self.started.pop(key)
+                self.last_token.pop(key, None)
+                result.record(number % len(self.prompts), sequence.tokens)
+                if self.pending:
+                    self._submit()
+
+
+def run_load(
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, modes: tuple[str, ...]
+) -> dict[str, LoadResult]:
+    """For each mode, `requests` greedy requests over `concurrency` closed-loop clients (prompts taken in turn), the
+    modes' schedulers on their own slots of one engine, stepping in turn, each timed on its own clock: a machine
+    whose speed drifts weighs on every mode alike (this 2-core CPU's speed moves by up to 18% between back-to-back
+    one-minute runs, more than the differences measured)."""
+    if concurrency * len(modes) > engine.pool.slots:
+        raise ValueError(
+            f"{len(modes)} modes x {concurrency} clients need {concurrency * len(modes)} slots; the engine has "
+            f"{engine.pool.slots}: load it with more"
+        )
+    loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode) for mode in modes]
+    while any(loop.scheduler.busy for loop in loops):
+        for loop in loops:
+            if loop.scheduler.busy:
+                loop.step()
+    return {loop.result.mode: loop.result for loop in loops}
 
 
 def round_order(number: int) -> tuple[str, ...]:
-    """The batched modes of round `number` at each level: DFlash and plain back to back, which first alternating
-    (one at a time runs once, at the round's start). The comparison the goals hang on (DFlash against plain batched)
-    is then always between neighbouring runs: this CPU's speed drifts by up to 10% within minutes, and the order
-    A B C, C B A put plain's two runs back to back (session 18: plain 29.1 tok/s at C = 1 beside DFlash 38.4)."""
+    """The batched modes of round `number` at each level, stepping in turn (`run_load`): DFlash and plain decoding,
+    which steps first alternating by round (one at a time runs once, at the round's start)."""
     return ("dflash", "plain") if number % 2 == 0 else ("plain", "dflash")
 
 
@@ -175,17 +205,22 @@ def load_table(
     `round_order` at each level); each row also says whether its outputs equal plain decoding's at that level (for
     every request of every prompt, in every round) and its tok/s over the other two modes'."""
     for concurrency in levels:
-        if concurrency > engine.pool.slots:
-            raise ValueError(f"concurrency {concurrency} exceeds the engine's {engine.pool.slots} slots: load it with more")
+        if 2 * concurrency > engine.pool.slots:
+            raise ValueError(
+                f"concurrency {concurrency} needs {2 * concurrency} of the engine's {engine.pool.slots} slots (DFlash and "
+                "plain decoding side by side): load it with more"
+            )
     requests = {concurrency: requests_at(concurrency, len(prompts), per_client) for concurrency in levels}
     alone: LoadResult | None = None
     batched: dict[tuple[int, str], LoadResult] = {}
     alone_requests = max(requests.values())
     for number in range(rounds):
-        alone = _pooled(alone, _run_with_progress(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", number))
+        alone_run = _run_with_progress(engine, prompts, max_tokens, 1, alone_requests, ("one-at-a-time",), number)
+        alone = _pooled(alone, alone_run["one-at-a-time"])
         for concurrency in levels:
-            for mode in round_order(number):
-                result = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], mode, number)
+            modes = round_order(number)
+            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], modes, number)
+            for mode, result in results.items():
                 batched[concurrency, mode] = _pooled(batched.get((concurrency, mode)), result)
     assert alone is not None  # rounds >= 1
     rows = []
@@ -209,16 +244,23 @@ def load_table(
 
 
 def _run_with_progress(
-    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str, number: int
-) -> LoadResult:
-    """`run_load`, with a progress line: a table's runs take minutes each."""
-    result = run_load(engine, prompts, max_tokens, concurrency, requests, mode)
-    print(
-        f"[dflash-bench] round {number + 1}: {mode} with {concurrency} clients, {requests} requests: "
-        f"{result.tokens / result.seconds:.1f} tok/s over {result.seconds:.0f} s",
-        flush=True,
-    )
-    return result
+    engine: GraphEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    requests: int,
+    modes: tuple[str, ...],
+    number: int,
+) -> dict[str, LoadResult]:
+    """`run_load`, with a progress line per mode: a table's runs take minutes each."""
+    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes)
+    for mode, result in results.items():
+        print(
+            f"[dflash-bench] round {number + 1}: {mode} with {concurrency} clients, {requests} requests: "
+            f"{result.tokens / result.seconds:.1f} tok/s over {result.seconds:.0f} s of its own steps",
+            flush=True,
+        )
+    return results
 
 
 def _pooled(pooled: LoadResult | None, result: LoadResult) -> LoadResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -86,18 +87,24 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
 
 
 def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each round runs one at a time once, then at each level DFlash and plain back to back, which first
-    alternating by round (the pair the goals compare always runs side by side); a mode's rounds are pooled (tokens
-    and seconds added), and a mode whose rounds disagree is not reported identical to plain."""
+    """Each round runs one at a time once, then at each level DFlash and plain side by side, which steps first
+    alternating by round; a mode's rounds are pooled (tokens and seconds added), and a mode whose rounds disagree is
+    not reported identical to plain."""
     order: list[tuple[str, int, int]] = []
 
-    def fake_run(engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, mode: str) -> LoadResult:
-        order.append((mode, concurrency, requests))
-        flaky = mode == "one-at-a-time" and len(order) > 3
-        return LoadResult(mode, concurrency, requests, 100, 2.0 if mode == "dflash" else 1.0, outputs={0: [2 if flaky else 1]})
+    def fake_run(
+        engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, modes: tuple[str, ...]
+    ) -> dict[str, LoadResult]:
+        results = {}
+        for mode in modes:
+            order.append((mode, concurrency, requests))
+            flaky = mode == "one-at-a-time" and len(order) > 3
+            seconds = 2.0 if mode == "dflash" else 1.0
+            results[mode] = LoadResult(mode, concurrency, requests, 100, seconds, outputs={0: [2 if flaky else 1]})
+        return results
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
-    engine = SimpleNamespace(pool=SimpleNamespace(slots=8))
+    engine = SimpleNamespace(pool=SimpleNamespace(slots=16))
     rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2)  # type: ignore[arg-type]
     assert order == [
         ("one-at-a-time", 1, 32), ("dflash", 1, 4), ("plain", 1, 4), ("dflash", 8, 32), ("plain", 8, 32),
@@ -108,12 +115,30 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
     assert by_mode[8, "dflash"]["identical_to_plain"] and not by_mode[8, "one-at-a-time"]["identical_to_plain"]
 
 
+def test_modes_run_side_by_side_each_on_its_own_clock(tiny_repo: Path) -> None:
+    """`run_load` with two modes steps their schedulers in turn on their own slots: each mode's seconds are its own
+    steps' (together no more than the wall time, each at least its batched steps'), and both serve every prompt alike. Too few
+    slots for both is a clear error."""
+    engine, _ = load_engine(tiny_repo, threads=2, max_batch=4)
+    prompts = [[5, 6, 7], [8, 9], [4, 4, 4, 4]]
+    began = time.perf_counter()
+    results = load_bench.run_load(engine, prompts, 12, 2, 6, ("dflash", "plain"))
+    wall = time.perf_counter() - began
+    dflash, plain = results["dflash"], results["plain"]
+    assert dflash.seconds + plain.seconds <= wall
+    assert dflash.seconds >= sum(dflash.step_seconds) > 0 and plain.seconds >= sum(plain.step_seconds) > 0
+    assert dflash.tokens == plain.tokens == 6 * 12 and dflash.outputs == plain.outputs and len(plain.outputs) == 3
+    assert engine.pool.free_slots == 4
+    with pytest.raises(ValueError, match="2 modes x 3 clients need 6 slots; the engine has 4"):
+        load_bench.run_load(engine, prompts, 12, 3, 6, ("dflash", "plain"))
+
+
 def test_every_request_gets_one_time_to_first_token_however_many_follow(tiny_repo: Path) -> None:
     """A closed-loop run of many more requests than clients: each request's first tokens give one TTFT sample and
     its later ones inter-token gaps, never a gap measured from an earlier request's last token (CPython reuses the
     id of a finished request's object for the next one)."""
     engine, _ = load_engine(tiny_repo, threads=2, max_batch=2)
-    result = load_bench.run_load(engine, [[5, 6, 7], [8, 9]], 6, 2, 24, "plain")
+    result = load_bench.run_load(engine, [[5, 6, 7], [8, 9]], 6, 2, 24, ("plain",))["plain"]
     assert result.tokens == 24 * 6 and len(result.ttfts) == 24
     assert len(result.inter_token) == result.tokens - 24 * 2  # a request's first emission: its prefill's and its first step's
 

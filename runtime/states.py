@@ -17,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -71,6 +72,17 @@ def gated_deltanet_states(
     )
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its memory is committed page by page as rows are written: numpy's zeros come from
+    calloc, whose large blocks are fresh pages that read as zero until touched, where torch.zeros writes every byte.
+    So a pool sized for max_batch x max_seq_len holds in memory what its sequences have written (the demo engine's
+    16 slots x 2,064 positions: 1.7 GB allocated, about 0.25 GB written by 16 HumanEval answers)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class NoFreeSlot(RuntimeError):
     """Every slot of the pool is taken."""
 
@@ -83,7 +95,7 @@ class StatePool:
             raise ValueError(f"a state pool needs at least one slot, got {slots}")
         self.specs = specs
         self.slots = slots
-        self.tensors = {s.name: torch.zeros(s.pool_shape(slots), dtype=s.torch_dtype, device=device) for s in specs}
+        self.tensors = {s.name: _zeros(s.pool_shape(slots), s.torch_dtype, torch.device(device)) for s in specs}
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from itertools import pairwise
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dflash_trt.runtime.scheduler import (
     StepCosts,
     calibration_batches,
 )
+from dflash_trt.runtime.states import StatePool, StateSpec
 
 SLOTS = 4
 
@@ -310,6 +312,24 @@ def test_plain_decoding_calibrates_its_decode_shapes(engine: GraphEngine, monkey
     expected = [1 << i for i in range(free.bit_length())]  # 1, 2, 4 ... <= free
     assert calls == [("decode", b) for b in expected]
     assert engine.pool.free_slots == free
+
+
+def _resident_mib() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").is_file(), reason="reads resident memory from Linux's /proc")
+def test_a_state_pool_holds_in_memory_only_the_rows_written() -> None:
+    """A pool is allocated for every slot and position up front, but on the CPU its pages are committed as rows are
+    written: 1 GiB of pool adds almost nothing to resident memory, reads zeros and keeps what is written."""
+    spec = StateSpec("target_k", "positional", 8, (4096, 4, 64), "float32")  # 32 MiB per slot
+    before = _resident_mib()
+    pool = StatePool((spec,), 32)
+    assert _resident_mib() - before < 64, "a 1 GiB pool committed up front"
+    pool.write_rows("target_k", torch.tensor([5]), torch.tensor([[10, 11, 12]]), torch.ones(8, 1, 3, 4, 64))
+    assert _resident_mib() - before < 64
+    written = pool.tensors["target_k"][:, 5]  # [layers, positions, 4, 64]
+    assert written[:, 10:13].eq(1).all() and written[:, 9].eq(0).all() and written[:, 13].eq(0).all()
 
 
 def test_seeded_sampling_equals_plain_sampling_with_the_same_seed(engine: GraphEngine) -> None:

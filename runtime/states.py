@@ -75,8 +75,9 @@ def gated_deltanet_states(
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor. On the CPU its memory is committed page by page as rows are written: numpy's zeros come from
     calloc, whose large blocks are fresh pages that read as zero until touched, where torch.zeros writes every byte.
-    So a pool sized for max_batch x max_seq_len holds in memory what its sequences have written (the demo engine's
-    16 slots x 2,064 positions: 1.7 GB allocated, about 0.25 GB written by 16 HumanEval answers)."""
+    So a pool sized for max_batch x max_seq_len holds in memory what its sequences have written (the demo engine,
+    16 slots x 2,064 positions, 1.7 GB of pool: 3.08 GiB resident after 32 HumanEval requests at C = 16, against
+    4.45 GiB with torch.zeros)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)

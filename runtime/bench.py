@@ -31,7 +31,7 @@ import torch
 from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_repository_manifest
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
-from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table
+from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table, slots_for
 from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
@@ -298,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
     try:
-        slots = 2 * max(levels) if levels else 1  # --concurrency: DFlash and plain decoding side by side
-        engine, manifest = load_engine(args.repo, args.threads, slots)
+        engine, manifest = load_engine(args.repo, args.threads, slots_for(levels) if levels else 1)
     except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do
         parser.error(str(refusal))
     if args.block_size is not None and args.block_size != engine.block_size:

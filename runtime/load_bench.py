@@ -91,7 +91,7 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy, int | None]:
+def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy, int]:
     """(verify policy, max active sequences) of a mode whose scheduler gets `slots` of the engine's slots: its
     policy calibrates on that many (the other modes' slots held meanwhile)."""
     held = [engine.pool.acquire() for _ in range(max(engine.pool.free_slots - slots, 0))]
@@ -99,10 +99,10 @@ def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy
         if mode == "plain":
             plain = PlainDecoding()
             plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
-            return plain, None
+            return plain, slots
         policy = AdaptiveVerify(engine.block_size)
         policy.calibrate(engine)
-        return policy, (1 if mode == "one-at-a-time" else None)
+        return policy, (1 if mode == "one-at-a-time" else slots)
     finally:
         for slot in held:
             engine.pool.release(slot)
@@ -118,7 +118,7 @@ class _ClosedLoop:
         self.prompts, self.max_tokens = prompts, max_tokens
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
         policy, max_active = policy_for(mode, engine, concurrency)
-        self.scheduler = Scheduler(engine, policy, max_active or concurrency)
+        self.scheduler = Scheduler(engine, policy, max_active)
         self.pending = deque(range(requests))
         # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
         # id can then be the next request's)
@@ -187,6 +187,12 @@ def round_order(number: int) -> tuple[str, ...]:
     return ("dflash", "plain") if number % 2 == 0 else ("plain", "dflash")
 
 
+def slots_for(levels: list[int]) -> int:
+    """Slots an engine needs for `load_table` at these levels: the largest level's clients for every mode that runs
+    side by side (`round_order`)."""
+    return max(levels) * len(round_order(0))
+
+
 def requests_at(concurrency: int, prompt_count: int, per_client: int = REQUESTS_PER_CLIENT) -> int:
     """Requests of a run at `concurrency`: the fewest whole passes over the prompts that give each client
     `per_client` requests (so every prompt is served equally often and the batch stays full for most of the run)."""
@@ -204,12 +210,11 @@ def load_table(
     """Every mode at every concurrency level, in one process, in `rounds` rounds (one at a time once, then
     `round_order` at each level); each row also says whether its outputs equal plain decoding's at that level (for
     every request of every prompt, in every round) and its tok/s over the other two modes'."""
-    for concurrency in levels:
-        if 2 * concurrency > engine.pool.slots:
-            raise ValueError(
-                f"concurrency {concurrency} needs {2 * concurrency} of the engine's {engine.pool.slots} slots (DFlash and "
-                "plain decoding side by side): load it with more"
-            )
+    if slots_for(levels) > engine.pool.slots:
+        raise ValueError(
+            f"concurrency {max(levels)} needs {slots_for(levels)} of the engine's {engine.pool.slots} slots (DFlash and "
+            "plain decoding side by side): load it with more"
+        )
     requests = {concurrency: requests_at(concurrency, len(prompts), per_client) for concurrency in levels}
     alone: LoadResult | None = None
     batched: dict[tuple[int, str], LoadResult] = {}

@@ -117,8 +117,8 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
 
 def test_modes_run_side_by_side_each_on_its_own_clock(tiny_repo: Path) -> None:
     """`run_load` with two modes steps their schedulers in turn on their own slots: each mode's seconds are its own
-    steps' (together no more than the wall time, each at least its batched steps'), and both serve every prompt alike. Too few
-    slots for both is a clear error."""
+    steps' (together no more than the wall time, each at least its batched steps'), and both serve every prompt
+    alike. Too few slots for both is a clear error."""
     engine, _ = load_engine(tiny_repo, threads=2, max_batch=4)
     prompts = [[5, 6, 7], [8, 9], [4, 4, 4, 4]]
     began = time.perf_counter()

@@ -128,6 +128,7 @@ class AdaptiveVerify:
     about 1/explore_budget of the time. Every look made at a batch size since its choice became what it is doubles
     that budget there, up to `2**quiet_looks_limit` times: where drafting never pays (a code drafter on chat
     traffic) looks fade from ~1% of the time to under 0.1%; once the choice changes, they are as frequent as at first.
+    Looks do not fade while plain decoding is chosen on evidence too thin to rule drafting out (`_quiet_looks`).
     """
 
     block_size: int
@@ -138,6 +139,7 @@ class AdaptiveVerify:
     decay: float = 0.995  # per observed step: acceptance estimates follow the traffic (about 200 steps)
     evidence_floor: float = 8.0  # observations per position that decay leaves (see _learn_acceptance)
     switch_on_margin: float = 0.05  # from plain decoding, drafting must promise this much more (see choose)
+    look_optimism: float = 2.5  # standard errors: looks do not fade while this much optimism would draft (_quiet_looks)
     warmup_rows: int = 8  # rows of drafting steps before the policy weighs acceptance
     warmup_cost_limit: float = 3.0  # a warm-up step costs at most this many steps that verify no draft
     graph_when_idle: str = "verify"
@@ -190,11 +192,21 @@ class AdaptiveVerify:
         now = self.step_cost(batch, 0) if then else None
         return 1.0 if then is None or now is None else now / then
 
-    def expected_rates(self, batch: int) -> list[float]:
-        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
-        tokens = batch * np.cumsum(self.acceptance())  # [B]: expected tokens per step for each k
+    def optimistic_acceptance(self) -> np.ndarray:
+        """[B]: `acceptance()` with the first draft's acceptance read `look_optimism` standard errors above its mean
+        (its evidence, after decay, is what the standard error counts)."""
+        reached, accepted = self.reached[1], self.accepted[1]
+        first = min(accepted / reached, 1.0)
+        raised = min(first + self.look_optimism * np.sqrt(first * (1.0 - first) / reached), 1.0)
+        acceptance = self.acceptance()
+        acceptance[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
+        return acceptance
+
+    def expected_rates(self, batch: int, acceptance: np.ndarray | None = None) -> list[float]:
+        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown), with
+        the measured acceptance unless another is given."""
         costs = [self.step_cost(batch, k) for k in range(self.block_size)]
-        return [float("nan") if c is None else float(t) / max(c, 1e-9) for t, c in zip(tokens, costs, strict=True)]
+        return _rates(batch, self.acceptance() if acceptance is None else acceptance, costs)
 
     def warmup_drafts(self, batch: int) -> int:
         """Drafts to verify while acceptance is unmeasured: the k that maximises tokens per second if every draft is
@@ -214,25 +226,37 @@ class AdaptiveVerify:
         if self.exploring:
             self.exploring -= 1
             return self.looking_at  # a look's second step verifies what its first drafted
-        rates = self.expected_rates(batch)
-        if any(np.isnan(r) for r in rates):
+        costs = [self.step_cost(batch, k) for k in range(self.block_size)]
+        if any(c is None for c in costs):
             self.chosen = self.block_size - 1  # a cost not measured yet: verify everything and measure
             return self.chosen
-        best = self._best(rates)
+        best = self._best(_rates(batch, self.acceptance(), costs))
         around = [min(best + self.explore_extra, self.block_size - 1), max(best - self.explore_extra, 0)]  # above, below
         if self.looks % 2 == 1:
             around.reverse()  # odd looks look below first
         look = next((k for k in around if k != best), best)
-        extra = abs((self.step_cost(batch, look) or 0.0) - (self.step_cost(batch, best) or 0.0))
-        chosen, looked = self.quiet_looks.get(batch, (best, 0))
-        quiet = looked if chosen == best else 0  # looks at this batch size since its choice became `best`
-        budget = self.explore_budget * 2 ** min(quiet, self.quiet_looks_limit)
-        if look != best and self.since_look >= budget * 2 * extra:
-            self.since_look, self.exploring, self.looks, self.looking_at = 0.0, 1, self.looks + 1, look
-            self.quiet_looks[batch] = (best, quiet + 1)
-            return look
+        look_cost = 2 * self.explore_budget * abs((costs[look] or 0.0) - (costs[best] or 0.0))  # seconds between looks
+        if look != best and self.since_look >= look_cost:
+            quiet = self._quiet_looks(batch, best, costs)
+            if self.since_look >= look_cost * 2 ** min(quiet, self.quiet_looks_limit):
+                self.since_look, self.exploring, self.looks, self.looking_at = 0.0, 1, self.looks + 1, look
+                self.quiet_looks[batch] = (best, quiet + 1)
+                return look
         self.chosen = best
         return best
+
+    def _quiet_looks(self, batch: int, best: int, costs: list[float | None]) -> int:
+        """Looks made at this batch size since its choice became `best`, which space the next look out; none while
+        plain decoding is chosen on thin evidence: if the first draft's acceptance read `look_optimism` standard
+        errors higher would switch drafting on, looks stay as frequent as at first. On the demo pair at batch 1
+        (2 cores, HumanEval), two hard prompts first drove that estimate to 0.08 where the run's truth is 0.30-0.33;
+        with the spacing doubled after every look, the looks that would correct it came minutes apart."""
+        chosen, looked = self.quiet_looks.get(batch, (best, 0))
+        if chosen != best:
+            return 0
+        if best == 0 and self._best(_rates(batch, self.optimistic_acceptance(), costs)) != 0:
+            return 0
+        return looked
 
     def _best(self, rates: list[float]) -> int:
         """The k of the highest expected rate; but from plain decoding (k = 0 chosen last), drafting only when it
@@ -303,6 +327,13 @@ class AdaptiveVerify:
         """A timed call of a shape that has run before (`time_call` warms it up): its cost as it is."""
         self.shapes_run.add((graph, batch, width, drafted))
         self._record_cost(graph, batch, width, seconds, drafted)
+
+
+def _rates(batch: int, acceptance: np.ndarray, costs: list[float | None]) -> list[float]:
+    """[B]: expected tokens per second for k = 0 .. B-1 drafts verified per row, from P(drafts 1..k accepted) and the
+    steps' seconds (nan where a cost is unknown)."""
+    tokens = batch * np.cumsum(acceptance)  # [B]: expected tokens per step for each k
+    return [float("nan") if c is None else float(t) / max(c, 1e-9) for t, c in zip(tokens, costs, strict=True)]
 
 
 def calibration_batches(engine: GraphEngine, limit: int) -> list[int]:

@@ -251,7 +251,9 @@ def test_adaptive_verify_switches_drafting_on_only_for_a_clear_gain() -> None:
 
 def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     """Drafts never accepted: each look that leaves the choice at k = 0 doubles the time to the next one, up to
-    2**quiet_looks_limit times; once drafts are accepted and the choice changes, looks are as frequent as at first."""
+    2**quiet_looks_limit times, once the evidence rules drafting out (the first looks turn the prior's one half into
+    a quarter or a sixth on two or three rows, where optimism could still draft: the next look comes as soon); once
+    drafts are accepted and the choice changes, looks are as frequent as at first."""
     policy = AdaptiveVerify(16, StepCosts(), explore_budget=10.0, warmup_rows=0)
     costs = [0.024] + [0.031 + 0.001 * k for k in range(1, 16)]  # seconds of a step verifying k drafts
     for k, seconds in enumerate(costs):
@@ -272,7 +274,10 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     began = look_times(2000, accepted=0)
     base = policy.explore_budget * 2 * (costs[2] - costs[0])  # steps' seconds before a look, at first
     gaps = [b - a for a, b in pairwise([0.0, *began])]
-    assert [round(g / base) for g in gaps] == [1, 2, 4, 8] + [16] * (len(gaps) - 4), "doubling, at most 16x"
+    spacing = [round(g / base) for g in gaps]
+    fading = spacing.index(2)  # looks made before the evidence ruled drafting out: at the first spacing
+    assert 1 <= fading <= 3 and spacing[:fading] == [1] * fading
+    assert spacing[fading:] == [2, 4, 8] + [16] * (len(gaps) - fading - 3), "doubling, at most 16x"
     assert len(gaps) > 6
     assert policy.choose(1) == 0
     policy.accepted[1:4] = policy.reached[1:4]  # drafts 1-3 now always accepted: drafting pays
@@ -285,6 +290,36 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     below, above = costs[best] - costs[best - 2], costs[best + 2] - costs[best]  # looks alternate around k = 3
     assert gaps[0] == pytest.approx(policy.explore_budget * 2 * above * 2, abs=0.05), "the second look: twice the budget"
     assert max(gaps) < 16 * policy.explore_budget * 2 * max(below, above) + 0.1
+
+
+def test_adaptive_verify_recovers_from_a_low_estimate_on_thin_evidence() -> None:
+    """The demo pair at batch 1 (2 cores; a step verifying k drafts costs 1.0, 1.28, 1.27, 1.32 ... plain steps of
+    24 ms): two hard prompts first drove the first draft's acceptance estimate to 0.08 on the floor's evidence
+    while the traffic's is 0.32, which pays (1.12x plain). Looks at drafting must find that out within seconds of
+    steps, not fade while they do: over 10 seeded runs, the median time to drafting as the steady choice is under
+    10 s of steps, where the same policy without optimism (looks fading as soon as the choice stays) takes over 30."""
+    costs = [0.0241 * r for r in (1.0, 1.282, 1.271, 1.315, 1.408, 1.528)] + [0.040 + 0.003 * k for k in range(10)]
+
+    def seconds_to_drafting(look_optimism: float, seed: int, horizon: float = 60.0) -> float:
+        rng = np.random.default_rng(seed)
+        policy = AdaptiveVerify(16, StepCosts(), warmup_rows=0, look_optimism=look_optimism)
+        for k, seconds in enumerate(costs):
+            policy.costs.record(f"run{k}", 1, seconds)
+        policy.reached[1:] = policy.evidence_floor
+        policy.accepted[1], policy.accepted[2:] = 0.08 * policy.evidence_floor, 0.4 * policy.evidence_floor
+        clock = 0.0
+        while clock < horizon:
+            k = policy.choose(1)
+            if k and not policy.exploring and policy.chosen == k:
+                return clock
+            accepted = next((j for j in range(k) if rng.random() >= (0.32 if j == 0 else 0.4)), k)
+            policy.observe("step" if k else "verify", 1, 1 + k, costs[k], [accepted], drafted=k)
+            clock += costs[k]
+        return horizon
+
+    assert AdaptiveVerify(16).look_optimism > 0
+    assert np.median([seconds_to_drafting(2.5, seed) for seed in range(10)]) < 10.0
+    assert np.median([seconds_to_drafting(0.0, seed) for seed in range(10)]) > 30.0
 
 
 def test_adaptive_verify_looks_below_when_it_verifies_the_whole_block() -> None:

@@ -202,11 +202,9 @@ class AdaptiveVerify:
         acceptance[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
         return acceptance
 
-    def expected_rates(self, batch: int, acceptance: np.ndarray | None = None) -> list[float]:
-        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown), with
-        the measured acceptance unless another is given."""
-        costs = [self.step_cost(batch, k) for k in range(self.block_size)]
-        return _rates(batch, self.acceptance() if acceptance is None else acceptance, costs)
+    def expected_rates(self, batch: int) -> list[float]:
+        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
+        return _rates(batch, self.acceptance(), [self.step_cost(batch, k) for k in range(self.block_size)])
 
     def warmup_drafts(self, batch: int) -> int:
         """Drafts to verify while acceptance is unmeasured: the k that maximises tokens per second if every draft is

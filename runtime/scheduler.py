@@ -202,9 +202,13 @@ class AdaptiveVerify:
         acceptance[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
         return acceptance
 
-    def expected_rates(self, batch: int) -> list[float]:
-        """Expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
-        return _rates(batch, self.acceptance(), [self.step_cost(batch, k) for k in range(self.block_size)])
+    def expected_rates(self, batch: int) -> np.ndarray:
+        """[B]: expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
+        return _rates(batch, self.acceptance(), self._step_costs(batch))
+
+    def _step_costs(self, batch: int) -> np.ndarray:
+        """[B]: `step_cost` for k = 0 .. B-1 (nan where unknown)."""
+        return np.array([np.nan if c is None else c for c in (self.step_cost(batch, k) for k in range(self.block_size))])
 
     def warmup_drafts(self, batch: int) -> int:
         """Drafts to verify while acceptance is unmeasured: the k that maximises tokens per second if every draft is
@@ -224,8 +228,8 @@ class AdaptiveVerify:
         if self.exploring:
             self.exploring -= 1
             return self.looking_at  # a look's second step verifies what its first drafted
-        costs = [self.step_cost(batch, k) for k in range(self.block_size)]
-        if any(c is None for c in costs):
+        costs = self._step_costs(batch)
+        if np.isnan(costs).any():
             self.chosen = self.block_size - 1  # a cost not measured yet: verify everything and measure
             return self.chosen
         best = self._best(_rates(batch, self.acceptance(), costs))
@@ -233,30 +237,31 @@ class AdaptiveVerify:
         if self.looks % 2 == 1:
             around.reverse()  # odd looks look below first
         look = next((k for k in around if k != best), best)
-        look_cost = 2 * self.explore_budget * abs((costs[look] or 0.0) - (costs[best] or 0.0))  # seconds between looks
-        if look != best and self.since_look >= look_cost:
+        spacing = 2 * self.explore_budget * abs(costs[look] - costs[best])  # seconds of steps between looks, at first
+        if look != best and self.since_look >= spacing:
             quiet = self._quiet_looks(batch, best, costs)
-            if self.since_look >= look_cost * 2 ** min(quiet, self.quiet_looks_limit):
+            if self.since_look >= spacing * 2 ** min(quiet, self.quiet_looks_limit):
                 self.since_look, self.exploring, self.looks, self.looking_at = 0.0, 1, self.looks + 1, look
                 self.quiet_looks[batch] = (best, quiet + 1)
                 return look
         self.chosen = best
         return best
 
-    def _quiet_looks(self, batch: int, best: int, costs: list[float | None]) -> int:
+    def _quiet_looks(self, batch: int, best: int, costs: np.ndarray) -> int:
         """Looks made at this batch size since its choice became `best`, which space the next look out; none while
         plain decoding is chosen on thin evidence: if the first draft's acceptance read `look_optimism` standard
         errors higher would switch drafting on, looks stay as frequent as at first. On the demo pair at batch 1
         (2 cores, HumanEval), two hard prompts first drove that estimate to 0.08 where the run's truth is 0.30-0.33;
-        with the spacing doubled after every look, the looks that would correct it came minutes apart."""
+        with the spacing doubled after every look, the looks that would correct it came minutes apart. Only plain
+        decoding needs this: a step that drafts observes the first draft in every row, so its evidence stays fresh."""
         chosen, looked = self.quiet_looks.get(batch, (best, 0))
-        if chosen != best:
+        if chosen != best or looked == 0:
             return 0
         if best == 0 and self._best(_rates(batch, self.optimistic_acceptance(), costs)) != 0:
             return 0
         return looked
 
-    def _best(self, rates: list[float]) -> int:
+    def _best(self, rates: np.ndarray) -> int:
         """The k of the highest expected rate; but from plain decoding (k = 0 chosen last), drafting only when it
         promises `switch_on_margin` more: its first step drafts and verifies nothing, which the steady rates leave
         out, and near break-even one lucky look (or the measured costs' noise) turns drafting on for steps that do
@@ -327,11 +332,10 @@ class AdaptiveVerify:
         self._record_cost(graph, batch, width, seconds, drafted)
 
 
-def _rates(batch: int, acceptance: np.ndarray, costs: list[float | None]) -> list[float]:
+def _rates(batch: int, acceptance: np.ndarray, costs: np.ndarray) -> np.ndarray:
     """[B]: expected tokens per second for k = 0 .. B-1 drafts verified per row, from P(drafts 1..k accepted) and the
     steps' seconds (nan where a cost is unknown)."""
-    tokens = batch * np.cumsum(acceptance)  # [B]: expected tokens per step for each k
-    return [float("nan") if c is None else float(t) / max(c, 1e-9) for t, c in zip(tokens, costs, strict=True)]
+    return batch * np.cumsum(acceptance) / np.maximum(costs, 1e-9)  # [B] tokens per step / [B] seconds
 
 
 def calibration_batches(engine: GraphEngine, limit: int) -> list[int]:

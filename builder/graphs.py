@@ -20,7 +20,6 @@ from dflash_trt.builder.networks import (
     DrafterNetwork,
     PooledPast,
     RecurrentState,
-    StackedPast,
     TargetNetwork,
     TargetOutput,
     draft_logits,
@@ -93,21 +92,33 @@ class DFlashGraphs(nn.Module):
     def prefill(
         self,
         input_ids: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
         uniforms: torch.Tensor,
         temperature: torch.Tensor,
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         sampled_rows: torch.Tensor,
         candidate_slots: torch.Tensor,
+        target_k: torch.Tensor,
+        target_v: torch.Tensor,
+        draft_k: torch.Tensor,
+        draft_v: torch.Tensor,
     ) -> Outputs:
-        """input_ids: [B, P] (positions 0..P-1), uniforms: [B, 1]."""
+        """input_ids: [B, P] at positions start..start+P-1, after the rows < start of each slot (a reused prompt
+        prefix; start 0: none); uniforms: [B, 1]. Recurrent states start from zero: a target with them prefills
+        whole prompts (start 0)."""
         batch, length = input_ids.shape
-        positions = torch.arange(length, device=input_ids.device)[None, :].expand(batch, -1)  # [B, P]
-        out = self.target(input_ids, positions, self._no_past(batch, input_ids.device), logits_to_keep=1)
+        positions = start[:, None] + torch.arange(length, device=input_ids.device)[None, :]  # [B, P]
+        past = self._pooled("target", target_k, target_v, slots, visible_rows)
+        out = self.target(input_ids, positions, past, logits_to_keep=1)
         first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
-        ctx_k, ctx_v = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D]
-        next_block = self.draft_block(first, torch.full_like(first, length), ctx_k, ctx_v, self.block_size - 1)
-        return first, next_block, out.k, out.v, ctx_k, ctx_v, *(out.recurrent or ())
+        ctx_rows = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D] each
+        context = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked(length)  # [Ld, B, R + P, Hkv, D]
+        ctx_k, ctx_v = write_rows(context.k, ctx_rows[0], positions), write_rows(context.v, ctx_rows[1], positions)
+        next_block = self.draft_block(first, start + length, ctx_k, ctx_v, self.block_size - 1)
+        return first, next_block, out.k, out.v, *ctx_rows, *(out.recurrent or ())
 
     def step(
         self,
@@ -247,14 +258,6 @@ class DFlashGraphs(nn.Module):
         """The pool of the target's or the drafter's K/V (flat [L * N * T, Hkv, D]) read for these slots."""
         layers = len(self.target.config.attention_layers) if owner == "target" else self.drafter.config.num_layers
         return PooledPast(k_pool, v_pool, layers, self.positions, slots, visible_rows.shape[0])
-
-    def _no_past(self, batch: int, device: torch.device) -> StackedPast:
-        c = self.target.config
-        layers = len(c.attention_layers)
-        empty = torch.zeros(
-            layers, batch, 0, c.num_kv_heads, c.head_dim, dtype=self.target.embed_tokens.weight.dtype, device=device
-        )
-        return StackedPast(empty, empty)
 
 
 class PrefillGraph(DFlashGraphs):

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, pool_view_shape
+from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.states import DTYPES, StatePool, StateSpec
 
@@ -121,19 +122,64 @@ class GraphEngine:
         self._carriers: dict[int, torch.Tensor] = {}
         self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *pool_view_shape(s)) for s in spec.states}  # graph form
         self._input_names = {graph: {t.name for t in graph_inputs(graph, spec.states)} for graph in GRAPH_NAMES}
+        self.recurrent = any(s.kind == "recurrent" for s in spec.states)  # a prefill starts them from zero
+        self.prefixes = SlotPrefixes()  # the prompt rows each slot still holds
+        self.reuse_prefixes = True
 
-    def prefill(self, slot: int, prompt: list[int], uniform: float, sampling: SamplingParams) -> StepResult:
-        """One prompt into pool slot `slot` -> its first token (target_tokens[:, 0]) and first draft block."""
-        length = len(prompt)
+    @property
+    def reuse_prefixes(self) -> bool:
+        """Whether `acquire` starts a prompt after a prefix a slot holds (never on targets with recurrent states)."""
+        return self._reuse_prefixes
+
+    @reuse_prefixes.setter
+    def reuse_prefixes(self, on: bool) -> None:
+        self._reuse_prefixes = on and not self.recurrent
+
+    def acquire(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for `prompt` -> (slot, start): the slot already holds the rows of the prompt's first `start`
+        tokens (a prefix shared with a prompt prefilled earlier, copied from that prompt's slot unless the slot is
+        that one), so `prefill` computes prompt[start:]. Raises NoFreeSlot."""
+        if not self.reuse_prefixes:
+            return self.pool.acquire(), 0
+        donor, shared = self.prefixes.longest(prompt)
+        free = self.pool.free_slot_ids
+        # the donor itself if it is free (nothing to copy), else the free slot holding the least (kept longest)
+        slot = self.pool.acquire(preferred=donor if donor in free else min(free, key=self.prefixes.held, default=-1))
+        if shared and slot != donor:
+            self.copy_prefix(donor, slot, shared)
+        return slot, shared
+
+    def prefill(self, slot: int, tokens: list[int], uniform: float, sampling: SamplingParams, start: int = 0) -> StepResult:
+        """A prompt's tokens from position `start` on into pool slot `slot` -> its first token (target_tokens[:, 0])
+        and first draft block. Rows < start of the slot must hold the prompt's first `start` tokens' states (a
+        reused prefix, `copy_prefix`); targets with recurrent states prefill whole prompts."""
+        if start and self.recurrent:
+            raise ValueError(f"start={start}: this target keeps recurrent states, so its prompts are prefilled whole")
+        if start > self.prefixes.held(slot):
+            raise ValueError(f"start={start}: slot {slot} holds the rows of {self.prefixes.held(slot)} prompt tokens")
         inputs = {
-            "input_ids": torch.tensor([prompt], dtype=torch.long),
+            "input_ids": torch.tensor([tokens], dtype=torch.long),
+            "start": torch.tensor([start]),
+            "slots": torch.tensor([slot]),
+            "visible_rows": self._carrier(max(start, 1)),  # exactly the prefix: R + P rows are read
             "uniforms": torch.tensor([[uniform]], dtype=torch.float32),
             **SamplingTensors.of([sampling], self.vocab_size).as_inputs(),
+            **self._flat_states,
         }
-        out = self.runner.run("prefill", inputs)
-        self._write_rows(out, torch.tensor([slot]), torch.arange(length)[None, :])
-        start = torch.tensor([length])
-        return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], start)
+        out = self.runner.run("prefill", {k: v for k, v in inputs.items() if k in self._input_names["prefill"]})
+        self._write_rows(out, torch.tensor([slot]), start + torch.arange(len(tokens))[None, :])
+        self.prefixes.extend(slot, start, tokens)
+        end = torch.tensor([start + len(tokens)])
+        return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], end)
+
+    def copy_prefix(self, source: int, target: int, rows: int) -> None:
+        """Copy positions 0..rows-1 of every positional state from slot `source` to slot `target`: a shared prompt
+        prefix, so that the target slot's `prefill` starts at `rows`."""
+        for state in self.spec.states:
+            if state.kind == "positional":
+                pool = self.pool.tensors[state.name]  # [L, N, T, *row]
+                pool[:, target, :rows] = pool[:, source, :rows]
+        self.prefixes.copy(source, target, rows)
 
     def run(self, graph: str, batch: StepBatch) -> StepResult:
         """graph: "step" | "verify" | "decode" over the batch's slots; writes the computed rows into the pool."""
@@ -156,6 +202,8 @@ class GraphEngine:
         out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in self._input_names[graph]})
         positions = batch.start[:, None] + torch.arange(batch.block.shape[1])  # [B, V]
         self._write_rows(out, batch.slots, positions)
+        for slot, first in zip(batch.slots.tolist(), batch.start.tolist(), strict=True):
+            self.prefixes.overwritten(slot, first)
         return out
 
     def _visible_rows(self, largest_start: int, width: int) -> torch.Tensor:

@@ -2,13 +2,15 @@
 
 Four graphs, all batched with per-row positions, parameters and uniforms:
 
-prefill  prompt -> first token, first draft block, every state's rows for positions 0..P-1
+prefill  prompt tokens at positions start..start+P-1 (start > 0: a reused prefix's rows are in the slot) -> first
+         token, first draft block, every state's rows for those positions
 step     block (verify width V) -> the target's token at every slot, accepted prefix, next draft block, state rows
 verify   the same without drafting (the next "block" is the bonus token alone): DFlash with nothing to verify
 decode   plain decoding: verify without taps, target states only (the baseline on the same engine)
 
-Step-like graphs read states from the engine's pool by `slots` [batch] and position: rows < start of each
-sequence are visible, and only the first R = len(visible_rows) positions are read. A positional state enters
+Graphs read states from the engine's pool by `slots` [batch] and position: rows < start of each sequence are
+visible, and only the first R = len(visible_rows) positions are read. The prefill reads positional states only:
+it starts recurrent states from zero, so a prefix is reused only on targets without them. A positional state enters
 flat, [layers * slots * positions, *row_shape] (a view of the pool: no reshape inside the graph, which would copy
 the whole pool on some runtimes). They return the rows they
 computed (positions start..start+V-1) as `{state}_rows`, which the engine writes into the pool in place.
@@ -53,11 +55,15 @@ STEP_OUTPUTS = (
     TensorSpec("next_start", "int64", ("batch",)),
 )
 DRAFT_INPUTS = (TensorSpec("draft_slots", "int64", ("drafts",)),)  # only its length matters: drafts to compute
-PREFILL_INPUTS = (TensorSpec("input_ids", "int64", ("batch", "prompt")), TensorSpec("uniforms", "float32", ("batch", "1")))
+PREFILL_INPUTS = (
+    TensorSpec("input_ids", "int64", ("batch", "prompt")),  # at positions start..start+P-1
+    *STEP_INPUTS[1:4],  # start, slots, visible_rows: the reused prefix's rows (start 0: none)
+    TensorSpec("uniforms", "float32", ("batch", "1")),
+)
 PREFILL_OUTPUTS = (TensorSpec("first_token", "int64", ("batch",)), TensorSpec("next_block", "int64", ("batch", "next")))
 
 # Which owners' states a graph reads from the pool and which it returns rows of.
-READS = {"prefill": (), "step": ("target", "draft"), "verify": ("target",), "decode": ("target",)}
+READS = {"prefill": ("target", "draft"), "step": ("target", "draft"), "verify": ("target",), "decode": ("target",)}
 WRITES = {"prefill": ("target", "draft"), "step": ("target", "draft"), "verify": ("target", "draft"), "decode": ("target",)}
 
 
@@ -79,7 +85,7 @@ def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec,
     read = tuple(
         TensorSpec(s.name, "state", (f"{owner(s)}_{POOL_AXIS[s.kind]}", *map(str, pool_view_shape(s))))
         for s in states
-        if owner(s) in READS[graph]
+        if owner(s) in READS[graph] and (graph != "prefill" or s.kind == "positional")
     )
     return (*fixed, *drafting, *SAMPLING, *read)
 

@@ -62,6 +62,7 @@ class GenerationStats:
     block_size: int
     steps: int = 0
     prefill_seconds: float = 0.0
+    reused_prompt_tokens: int = 0  # prompt tokens whose rows came from an earlier prompt's prefill (not computed)
     decode_seconds: float = 0.0
     draft_tokens: int = 0  # drafts the target verified
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (accepted + bonus)

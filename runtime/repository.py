@@ -79,21 +79,28 @@ def engine_bytes(path: Path) -> int:
 
 
 def load_engine(
-    path: Path, threads: int | None = None, max_batch: int | None = None, device: str | None = None
+    path: Path,
+    threads: int | None = None,
+    max_batch: int | None = None,
+    device: str | None = None,
+    reuse_prefixes: bool = True,
 ) -> tuple[GraphEngine, dict[str, Any]]:
     """The engine a dflash-build output holds (ONNX Runtime; torch-cuda on `device`, default the GPU), with a state
-    pool of `max_batch` slots (default: the build's --max-batch-size)."""
+    pool of `max_batch` slots (default: the build's --max-batch-size), reusing prompt prefixes unless told not to."""
     engine_dir = engine_dir_of(path)
     manifest = read_manifest(engine_dir)
     check_servable(manifest, engine_dir, device)
     spec = EngineSpec.from_json(manifest["engine"])
     if manifest["backend"] == "torch-cuda":
-        return load_torch_engine(engine_dir, spec, max_batch, torch_device(device)), manifest
-    if manifest["backend"] == "tensorrt":
+        engine = load_torch_engine(engine_dir, spec, max_batch, torch_device(device))
+    elif manifest["backend"] == "tensorrt":
         gpu = torch.device("cuda")
-        return GraphEngine(TensorRTRunner(engine_dir, spec, gpu), spec, max_batch, gpu), manifest
-    runner = OnnxRuntimeRunner(engine_dir, spec.states, session_settings(manifest, threads), single_rows_padded(manifest))
-    return GraphEngine(runner, spec, max_batch), manifest
+        engine = GraphEngine(TensorRTRunner(engine_dir, spec, gpu), spec, max_batch, gpu)
+    else:
+        runner = OnnxRuntimeRunner(engine_dir, spec.states, session_settings(manifest, threads), single_rows_padded(manifest))
+        engine = GraphEngine(runner, spec, max_batch)
+    engine.reuse_prefixes = reuse_prefixes
+    return engine, manifest
 
 
 def single_rows_padded(manifest: dict[str, Any]) -> bool:

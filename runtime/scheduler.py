@@ -421,9 +421,11 @@ class Scheduler:
         emitted = []
         while self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active:
             sequence = self.waiting.popleft()
-            sequence.slot = self.engine.pool.acquire()
             sequence.began = time.perf_counter()
-            out = self.engine.prefill(sequence.slot, sequence.prompt, float(sequence.uniforms[0]), sequence.sampling)
+            sequence.slot, reused = self.engine.acquire(sequence.prompt)  # the slot holds prompt[:reused]'s rows
+            sequence.stats.reused_prompt_tokens = reused
+            uniform = float(sequence.uniforms[0])
+            out = self.engine.prefill(sequence.slot, sequence.prompt[reused:], uniform, sequence.sampling, reused)
             self.last_prefill_seconds += time.perf_counter() - sequence.began
             self.active.append(sequence)
             block, start = out.next_block[0].numpy(), int(out.next_start[0])
@@ -465,6 +467,9 @@ class Scheduler:
 
     def _retire(self, sequence: Sequence) -> None:
         self.active.remove(sequence)
+        # the slot keeps the rows of every token before the next block's start: a later prompt that continues this
+        # conversation starts after them
+        self.engine.prefixes.extend(sequence.slot, len(sequence.prompt), sequence.tokens[: sequence.start - len(sequence.prompt)])
         self.engine.pool.release(sequence.slot)
         sequence.slot = -1
 

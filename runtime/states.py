@@ -103,9 +103,17 @@ class StatePool:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> int:
+    @property
+    def free_slot_ids(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+    def acquire(self, preferred: int = -1) -> int:
+        """A free slot: `preferred` if it is free, else the next one."""
         if not self._free:
             raise NoFreeSlot(f"all {self.slots} slots are in use")
+        if preferred in self._free:
+            self._free.remove(preferred)
+            return preferred
         return self._free.pop()
 
     def release(self, slot: int) -> None:

@@ -23,6 +23,7 @@ from dflash_trt.plugins.onnx_domain import DOMAIN
 from dflash_trt.runtime.engine import GraphEngine, TorchRunner
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate
+from dflash_trt.runtime.sampling import SamplingParams
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 from tests.conftest import all_nodes, peak_weights, write_tiny_drafter, write_tiny_tokenizer
@@ -337,6 +338,9 @@ def test_onnxruntime_engine_and_dflash_serve_equal_transformers(
     engine, manifest = load_engine(qwen35_repo)
     assert [s["name"] for s in manifest["engine"]["states"]][-2:] == ["target_ssm", "target_conv"]
     assert manifest["target"]["not_built"] == ["visual.*"]  # the tiny checkpoint has a vision tower, no MTP head
+    assert not engine.reuse_prefixes, "a prefill starts recurrent states from zero: no prompt prefix is reused"
+    with pytest.raises(ValueError, match="recurrent states, so its prompts are prefilled whole"):
+        engine.prefill(0, [5], 0.0, SamplingParams(), start=1)
     for prompt, expected in greedy.items():
         assert generate(engine, list(prompt), NEW_TOKENS).tokens == expected, prompt
     with running_server(qwen35_repo, tmp_path) as ports:

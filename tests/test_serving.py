@@ -168,6 +168,21 @@ def test_32_concurrent_mixed_clients_each_get_what_they_get_alone(server: Server
     assert _metric(server, "dflash_free_slots") == 8
 
 
+def test_a_shared_prompt_head_is_prefilled_once_and_counted(server: Server, tiny_repo: Path) -> None:
+    """Two requests with the same 20-token head, one after the other: the second prefills only its own tail (the
+    reused-prompt-token counter grows by the head) and both get what in-process decoding without reuse gives."""
+    engine, _ = load_engine(tiny_repo, reuse_prefixes=False)
+    head = np.random.default_rng(77).integers(1, 90, 20).tolist()
+    prompts = [head + [11, 12, 13], head + [40]]
+    expected = [generate(engine, prompt, MAX_TOKENS).tokens for prompt in prompts]
+    served = []
+    for prompt in prompts:
+        before = _metric(server, "dflash_reused_prompt_tokens_total")
+        served.append([t for r in stream_tokens(server.grpc, prompt, Request(MAX_TOKENS)) for t in r["tokens"]])
+    assert _metric(server, "dflash_reused_prompt_tokens_total") - before == len(head)
+    assert served == expected
+
+
 def test_a_thousand_short_ensemble_streams_end_cleanly(server: Server, tiny_repo: Path, in_process: dict[str, list[int]]) -> None:
     """Short streamed text requests back to back from 8 threads, each answered as it is served alone. The ensemble's
     cancellation watcher once asked Triton whether a request was cancelled just after the request's final response

@@ -86,6 +86,8 @@ class Metrics:
         "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target", "COUNTER"),
         "steps": ("dflash_steps_total", "Batched draft-verify steps", "COUNTER"),
         "tokens": ("dflash_generated_tokens_total", "Tokens generated", "COUNTER"),
+        "prompt": ("dflash_prompt_tokens_total", "Prompt tokens of finished requests", "COUNTER"),
+        "reused": ("dflash_reused_prompt_tokens_total", "Prompt tokens whose rows were reused, not prefilled", "COUNTER"),
         # The three gauges of the Gateway API Inference Extension's model-server protocol (queued, running, KV
         # usage), which autoscalers and gateways read: Triton's own queue metrics stop at execute()'s hand-off.
         "running": ("dflash_running_requests", "Requests generating in the running batch", "GAUGE"),
@@ -128,7 +130,8 @@ class TritonPythonModel:
         params = json.loads(args["model_config"])["parameters"]
         version_dir = Path(args["model_repository"]) / args["model_version"]
         root = Path(args["model_repository"]).parent
-        self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"])
+        reuse = params.get("enable_kv_cache_reuse", {}).get("string_value", "true").lower() == "true"
+        self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"], reuse_prefixes=reuse)
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.eos_ids = tuple(self.manifest["eos_token_ids"])
         policy = AdaptiveVerify(self.engine.block_size)
@@ -296,6 +299,8 @@ class TritonPythonModel:
         self.metrics.add("draft", stats.draft_tokens)
         self.metrics.add("accepted", stats.accepted_draft_tokens)
         self.metrics.add("tokens", len(client.sequence.tokens))
+        self.metrics.add("prompt", len(client.sequence.prompt))
+        self.metrics.add("reused", stats.reused_prompt_tokens)
 
     def _record_state(self) -> None:
         pool = self.engine.pool

@@ -1,0 +1,54 @@
+"""Which prompt prefix each pool slot still holds, so that a prompt sharing it (a system prompt, a chat template's
+fixed head, an earlier turn) is prefilled from where the shared part ends.
+
+A slot's positional rows stay in the pool after its sequence ends (they are masked by position, never cleared),
+so the rows of the prompt it prefilled remain valid until something writes over them. The engine records the
+prompt tokens whose rows a slot holds when it prefills, and cuts the record back whenever any graph writes rows
+of that slot at earlier positions (a new sequence's prefill, or the throw-away rows of a timing call).
+
+Reuse is exact: a row depends only on the tokens at and before its position, and ONNX Runtime computes it with
+the same bits whichever call computed it (tests/test_batching.py checks outputs against prefilling whole).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SlotPrefixes:
+    """slot -> the tokens at positions 0..n-1 whose rows the slot holds."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, np.ndarray] = {}
+
+    def longest(self, prompt: list[int]) -> tuple[int, int]:
+        """(slot, shared tokens) of the slot holding the longest prefix of `prompt`, at most len(prompt) - 1 tokens
+        (the last prompt token is always computed: its logits give the first token); (-1, 0) if none."""
+        wanted = np.asarray(prompt[:-1])
+        best_slot, best = -1, 0
+        for slot, held in self._tokens.items():
+            n = min(len(held), len(wanted))
+            differs = np.flatnonzero(held[:n] != wanted[:n])
+            shared = int(differs[0]) if len(differs) else n
+            if shared > best:
+                best_slot, best = slot, shared
+        return best_slot, best
+
+    def held(self, slot: int) -> int:
+        """How many leading tokens' rows `slot` holds."""
+        return len(self._tokens.get(slot, ()))
+
+    def extend(self, slot: int, start: int, tokens: list[int]) -> None:
+        """Rows of `tokens` were written at positions start.. of `slot` (recorded only after `start` held tokens)."""
+        held = self._tokens.get(slot, np.empty(0, dtype=np.int64))
+        if len(held) >= start:
+            self._tokens[slot] = np.concatenate([held[:start], np.asarray(tokens, dtype=np.int64)])
+
+    def copy(self, source: int, target: int, rows: int) -> None:
+        self._tokens[target] = self._tokens[source][:rows].copy()
+
+    def overwritten(self, slot: int, first_position: int) -> None:
+        """Rows of `slot` from `first_position` on were written with something else."""
+        held = self._tokens.get(slot)
+        if held is not None and first_position < len(held):
+            self._tokens[slot] = held[:first_position]

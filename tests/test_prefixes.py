@@ -1,0 +1,99 @@
+"""Prompt prefix reuse: a prompt that starts like one prefilled before (a system prompt, an earlier turn of the same
+conversation) is prefilled from where the shared part ends, with the same output as prefilling it whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.loop import Sequence, generate
+from dflash_trt.runtime.prefixes import SlotPrefixes
+from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.sampling import SamplingParams
+from dflash_trt.runtime.scheduler import Scheduler, time_call
+
+SYSTEM = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2]  # the head every prompt below shares
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_repo: Path) -> GraphEngine:
+    return load_engine(tiny_repo, max_batch=4)[0]
+
+
+def test_slot_prefixes_find_the_longest_shared_prefix_and_forget_overwritten_rows() -> None:
+    prefixes = SlotPrefixes()
+    prefixes.extend(0, 0, [1, 2, 3, 4])
+    prefixes.extend(1, 0, [1, 2, 9])
+    assert prefixes.longest([1, 2, 3, 4]) == (0, 3), "the last prompt token is always computed"
+    assert prefixes.longest([1, 2, 9, 9]) == (1, 3)
+    assert prefixes.longest([5, 1]) == (-1, 0)
+    prefixes.overwritten(0, 2)  # e.g. a timing call's throw-away rows from position 2 on
+    assert prefixes.held(0) == 2 and prefixes.longest([1, 2, 3, 4])[1] == 2
+    prefixes.extend(0, 2, [7, 7])  # a prefill from position 2, after the 2 rows the slot holds
+    assert prefixes.longest([1, 2, 7, 7, 0]) == (0, 4)
+    prefixes.copy(1, 3, 2)
+    assert prefixes.held(3) == 2
+
+
+def _serve_together(engine: GraphEngine, sequences: list[Sequence]) -> None:
+    scheduler = Scheduler(engine)
+    for sequence in sequences:
+        scheduler.submit(sequence)
+    while scheduler.busy:
+        scheduler.step()
+
+
+def test_a_shared_prompt_head_is_prefilled_once_and_outputs_stay_exact(engine: GraphEngine) -> None:
+    """Three prompts with the same head served together (greedy and seeded sampling): the second and third copy the
+    first one's rows of the head from its slot while it runs and compute only their own tails; every output equals
+    the same request prefilled whole."""
+    tails = ([11, 12], [40, 41, 42, 43, 44], [60])
+    samplings = (SamplingParams(), SamplingParams(), SamplingParams(temperature=0.9, seed=5))
+    engine.reuse_prefixes = False
+    whole = [generate(engine, SYSTEM + tail, NEW_TOKENS, s).tokens for tail, s in zip(tails, samplings, strict=True)]
+    engine.reuse_prefixes = True
+    engine.prefixes = SlotPrefixes()  # nothing held from the runs above
+    sequences = [Sequence(SYSTEM + tail, NEW_TOKENS, s) for tail, s in zip(tails, samplings, strict=True)]
+    _serve_together(engine, sequences)
+    assert [s.stats.reused_prompt_tokens for s in sequences] == [0, len(SYSTEM), len(SYSTEM)]
+    assert [s.tokens for s in sequences] == whole
+
+
+def test_a_conversation_turn_starts_after_the_previous_answer(engine: GraphEngine) -> None:
+    """The next turn's prompt is the previous prompt + answer + new text: the conversation so far is reused (all of
+    it, or all but the answer's last token if no step computed that token's rows), and the output equals prefilling
+    the whole conversation."""
+    engine.reuse_prefixes = True
+    prompt = SYSTEM + [21, 22, 23]
+    answer = generate(engine, prompt, NEW_TOKENS).tokens
+    follow_up = prompt + answer + [44, 45, 46]
+    second = generate(engine, follow_up, NEW_TOKENS)
+    assert len(prompt) + len(answer) - 1 <= second.stats.reused_prompt_tokens <= len(prompt) + len(answer)
+    engine.reuse_prefixes = False
+    assert generate(engine, follow_up, NEW_TOKENS).tokens == second.tokens
+    engine.reuse_prefixes = True
+
+
+def test_rows_written_over_a_held_prefix_are_not_reused(engine: GraphEngine) -> None:
+    """A timing call writes throw-away rows from position 0 of the free slots: no slot holds the prompt afterwards,
+    so the next request prefills it whole (and still equals its first output)."""
+    engine.reuse_prefixes = True
+    prompt = SYSTEM + [70, 71]
+    first = generate(engine, prompt, NEW_TOKENS).tokens
+    assert engine.prefixes.longest(prompt)[1] == len(prompt) - 1
+    time_call(engine, "decode", engine.pool.free_slots, 1, 1, 0, repeats=0)
+    assert engine.prefixes.longest(prompt) == (-1, 0)
+    again = generate(engine, prompt, NEW_TOKENS)
+    assert again.stats.reused_prompt_tokens == 0 and again.tokens == first
+
+
+def test_a_prefill_past_the_rows_a_slot_holds_is_refused(engine: GraphEngine) -> None:
+    slot = engine.pool.acquire()
+    try:
+        engine.prefixes.overwritten(slot, 0)
+        with pytest.raises(ValueError, match=rf"start=5: slot {slot} holds the rows of 0 prompt tokens"):
+            engine.prefill(slot, [1, 2], 0.0, SamplingParams(), start=5)
+    finally:
+        engine.pool.release(slot)

@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
     try:
-        engine, manifest = load_engine(args.repo, args.threads, slots_for(levels) if levels else 1)
+        # One prompt at a time, plain then DFlash: each prefills whole, so their times to first token compare the
+        # modes (DFlash would otherwise start from the rows plain decoding just left).
+        engine, manifest = load_engine(args.repo, args.threads, slots_for(levels) if levels else 1, reuse_prefixes=bool(levels))
     except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do
         parser.error(str(refusal))
     if args.block_size is not None and args.block_size != engine.block_size:

@@ -47,6 +47,8 @@ class LoadResult:
     step_seconds: list[float] = field(default_factory=list)  # scheduler.step() wall time, prefills excluded
     graph_seconds: list[float] = field(default_factory=list)  # of which the batched graph call
     widths: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0  # of finished requests
+    reused_prompt_tokens: int = 0  # of which rows came from an earlier prompt (a shared prefix, `GraphEngine.acquire`)
     outputs: dict[int, list[int]] = field(default_factory=dict)  # prompt number -> tokens (its first request's)
     consistent: bool = True  # every request of a prompt, in every pooled round, gave the same tokens
 
@@ -68,6 +70,8 @@ class LoadResult:
             self.step_seconds + other.step_seconds,
             self.graph_seconds + other.graph_seconds,
             self.widths + other.widths,
+            self.prompt_tokens + other.prompt_tokens,
+            self.reused_prompt_tokens + other.reused_prompt_tokens,
             self.outputs,
             self.consistent and other.consistent and self.outputs == other.outputs,
         )
@@ -84,6 +88,7 @@ class LoadResult:
             "itl_ms_p99": _percentile(self.inter_token, 99) * 1e3,
             "host_share_of_step": sum(host) / max(sum(self.step_seconds), 1e-9),
             "mean_verify_width": float(np.mean(self.widths)) if self.widths else 0.0,
+            "reused_prompt_share": self.reused_prompt_tokens / max(self.prompt_tokens, 1),
         }
 
 
@@ -129,6 +134,10 @@ class _ClosedLoop:
 
     def _submit(self) -> None:
         number = self.pending.popleft()
+        if number and number % len(self.prompts) == 0:
+            # A new pass over the prompts: a prompt is not served from its own rows of the last pass (a benchmark's
+            # repetition of its prompt set is not a workload's); prefixes shared within a pass are still reused.
+            self.scheduler.engine.prefixes.clear()
         sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens)
         self.scheduler.submit(sequence)
         self.started[id(sequence)] = (number, self.result.seconds)
@@ -157,6 +166,8 @@ class _ClosedLoop:
                 number, _ = self.started.pop(key)
                 self.last_token.pop(key, None)
                 result.record(number % len(self.prompts), sequence.tokens)
+                result.prompt_tokens += len(sequence.prompt)
+                result.reused_prompt_tokens += sequence.stats.reused_prompt_tokens
                 if self.pending:
                     self._submit()
 
@@ -242,6 +253,7 @@ def load_table(
                 f"TTFT p50/p99 {row['ttft_ms_p50']:.0f}/{row['ttft_ms_p99']:.0f} ms "
                 f"ITL p50/p99 {row['itl_ms_p50']:.1f}/{row['itl_ms_p99']:.1f} ms "
                 f"width {row['mean_verify_width']:.1f} host {row['host_share_of_step']:.1%} "
+                f"reused prompt {row['reused_prompt_share']:.0%} "
                 f"({row['requests_per_round']} requests from {result.concurrency} clients per round)",
                 flush=True,
             )

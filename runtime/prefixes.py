@@ -34,6 +34,10 @@ class SlotPrefixes:
                 best_slot, best = slot, shared
         return best_slot, best
 
+    def clear(self) -> None:
+        """Forget every slot's rows (they stay in the pool, unused)."""
+        self._tokens.clear()
+
     def held(self, slot: int) -> int:
         """How many leading tokens' rows `slot` holds."""
         return len(self._tokens.get(slot, ()))

@@ -7,7 +7,7 @@ the rows the graph returns at their (slot, position). The host never touches ten
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -135,16 +135,17 @@ class GraphEngine:
     def reuse_prefixes(self, on: bool) -> None:
         self._reuse_prefixes = on and not self.recurrent
 
-    def acquire(self, prompt: list[int]) -> tuple[int, int]:
+    def acquire(self, prompt: list[int], scope: Hashable = None) -> tuple[int, int]:
         """A free slot for `prompt` -> (slot, start): the slot already holds the rows of the prompt's first `start`
-        tokens (a prefix shared with a prompt prefilled earlier, copied from that prompt's slot unless the slot is
-        that one), so `prefill` computes prompt[start:]. Raises NoFreeSlot."""
+        tokens (a prefix shared with a prompt of the same `scope` prefilled earlier, copied from that prompt's slot
+        unless the slot is that one), so `prefill` computes prompt[start:]. Raises NoFreeSlot."""
         if not self.reuse_prefixes:
             return self.pool.acquire(), 0
-        donor, shared = self.prefixes.longest(prompt)
+        donor, shared = self.prefixes.longest(prompt, scope)
         free = self.pool.free_slot_ids
         # the donor itself if it is free (nothing to copy), else the free slot holding the least (kept longest)
         slot = self.pool.acquire(preferred=donor if donor in free else min(free, key=self.prefixes.held, default=-1))
+        self.prefixes.enter(slot, scope)
         if shared and slot != donor:
             self.copy_prefix(donor, slot, shared)
         return slot, shared

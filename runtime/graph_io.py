@@ -9,11 +9,11 @@ verify   the same without drafting (the next "block" is the bonus token alone): 
 decode   plain decoding: verify without taps, target states only (the baseline on the same engine)
 
 Graphs read states from the engine's pool by `slots` [batch] and position: rows < start of each sequence are
-visible, and only the first R = len(visible_rows) positions are read. The prefill reads positional states only:
-it starts recurrent states from zero, so a prefix is reused only on targets without them. A positional state enters
+visible, and only the first R = len(visible_rows) positions are read. The prefill reads positional states only: it
+starts recurrent states from zero, so a prefix is reused only on targets without them. A positional state enters
 flat, [layers * slots * positions, *row_shape] (a view of the pool: no reshape inside the graph, which would copy
-the whole pool on some runtimes). They return the rows they
-computed (positions start..start+V-1) as `{state}_rows`, which the engine writes into the pool in place.
+the whole pool on some runtimes). Graphs return the rows they computed (positions start..start+V-1, or +P-1) as
+`{state}_rows`, which the engine writes into the pool in place.
 """
 
 from __future__ import annotations

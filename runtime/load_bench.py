@@ -124,6 +124,7 @@ class _ClosedLoop:
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
         policy, max_active = policy_for(mode, engine, concurrency)
         self.scheduler = Scheduler(engine, policy, max_active)
+        self.scheduler.prefix_scope = mode  # modes side by side never reuse each other's prompts
         self.pending = deque(range(requests))
         # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
         # id can then be the next request's)
@@ -137,7 +138,7 @@ class _ClosedLoop:
         if number and number % len(self.prompts) == 0:
             # A new pass over the prompts: a prompt is not served from its own rows of the last pass (a benchmark's
             # repetition of its prompt set is not a workload's); prefixes shared within a pass are still reused.
-            self.scheduler.engine.prefixes.clear()
+            self.scheduler.engine.prefixes.clear(self.scheduler.prefix_scope)
         sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens)
         self.scheduler.submit(sequence)
         self.started[id(sequence)] = (number, self.result.seconds)

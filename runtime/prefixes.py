@@ -7,26 +7,34 @@ prompt tokens whose rows a slot holds when it prefills, and cuts the record back
 of that slot at earlier positions (a new sequence's prefill, or the throw-away rows of a timing call).
 
 Reuse is exact: a row depends only on the tokens at and before its position, and ONNX Runtime computes it with
-the same bits whichever call computed it (tests/test_batching.py checks outputs against prefilling whole).
+the same bits whichever call computed it (tests/test_prefixes.py checks outputs against prefilling whole).
+
+A scope keeps users of one engine apart (vLLM's `cache_salt` does the same): a slot's rows are reused only by a
+prompt of the scope whose request last held the slot; serving runs one scope, `dflash-bench` one per mode it compares.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import numpy as np
 
 
 class SlotPrefixes:
-    """slot -> the tokens at positions 0..n-1 whose rows the slot holds."""
+    """slot -> the tokens at positions 0..n-1 whose rows the slot holds, and the scope they are reused in."""
 
     def __init__(self) -> None:
         self._tokens: dict[int, np.ndarray] = {}
+        self._scopes: dict[int, Hashable] = {}
 
-    def longest(self, prompt: list[int]) -> tuple[int, int]:
-        """(slot, shared tokens) of the slot holding the longest prefix of `prompt`, at most len(prompt) - 1 tokens
-        (the last prompt token is always computed: its logits give the first token); (-1, 0) if none."""
+    def longest(self, prompt: list[int], scope: Hashable = None) -> tuple[int, int]:
+        """(slot, shared tokens) of the slot of `scope` holding the longest prefix of `prompt`, at most len(prompt) - 1
+        tokens (the last prompt token is always computed: its logits give the first token); (-1, 0) if none."""
         wanted = np.asarray(prompt[:-1])
         best_slot, best = -1, 0
         for slot, held in self._tokens.items():
+            if self._scopes.get(slot) != scope:
+                continue
             n = min(len(held), len(wanted))
             differs = np.flatnonzero(held[:n] != wanted[:n])
             shared = int(differs[0]) if len(differs) else n
@@ -34,9 +42,14 @@ class SlotPrefixes:
                 best_slot, best = slot, shared
         return best_slot, best
 
-    def clear(self) -> None:
-        """Forget every slot's rows (they stay in the pool, unused)."""
-        self._tokens.clear()
+    def enter(self, slot: int, scope: Hashable) -> None:
+        """`slot` now serves a request of `scope`: what it holds is reused only there."""
+        self._scopes[slot] = scope
+
+    def clear(self, scope: Hashable = None) -> None:
+        """Forget the rows the slots of `scope` hold (they stay in the pool, unused)."""
+        for slot in [s for s in self._tokens if self._scopes.get(s) == scope]:
+            del self._tokens[slot]
 
     def held(self, slot: int) -> int:
         """How many leading tokens' rows `slot` holds."""
@@ -50,6 +63,7 @@ class SlotPrefixes:
 
     def copy(self, source: int, target: int, rows: int) -> None:
         self._tokens[target] = self._tokens[source][:rows].copy()
+        self._scopes[target] = self._scopes.get(source)
 
     def overwritten(self, slot: int, first_position: int) -> None:
         """Rows of `slot` from `first_position` on were written with something else."""

@@ -16,12 +16,14 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 from dflash_trt.runtime.engine import GraphEngine, StepBatch, StepResult
+from dflash_trt.runtime.graph_io import WRITES
 from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
 from dflash_trt.runtime.sampling import SamplingTensors
 
@@ -383,6 +385,7 @@ class Scheduler:
         self.last_batch = 0  # rows of the last batched step
         self.last_graph_seconds = 0.0  # its graph call
         self.last_prefill_seconds = 0.0  # prefills of the sequences admitted in the same step()
+        self.prefix_scope: Hashable = None  # prompts reuse rows of prompts of this scope only (`GraphEngine.acquire`)
 
     def submit(self, sequence: Sequence) -> None:
         """Validate (raises RequestError with the reason) and queue for admission."""
@@ -422,7 +425,7 @@ class Scheduler:
         while self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active:
             sequence = self.waiting.popleft()
             sequence.began = time.perf_counter()
-            sequence.slot, reused = self.engine.acquire(sequence.prompt)  # the slot holds prompt[:reused]'s rows
+            sequence.slot, reused = self.engine.acquire(sequence.prompt, self.prefix_scope)  # holds prompt[:reused]
             sequence.stats.reused_prompt_tokens = reused
             uniform = float(sequence.uniforms[0])
             out = self.engine.prefill(sequence.slot, sequence.prompt[reused:], uniform, sequence.sampling, reused)
@@ -467,9 +470,11 @@ class Scheduler:
 
     def _retire(self, sequence: Sequence) -> None:
         self.active.remove(sequence)
-        # the slot keeps the rows of every token before the next block's start: a later prompt that continues this
-        # conversation starts after them
-        self.engine.prefixes.extend(sequence.slot, len(sequence.prompt), sequence.tokens[: sequence.start - len(sequence.prompt)])
+        if WRITES[self.policy.graph_when_idle] == WRITES["step"]:
+            # Every state's rows of every token before the next block's start are in the slot: a later prompt that
+            # continues this conversation starts after them. (Plain decoding's `decode` leaves the drafter's unwritten.)
+            answer = sequence.tokens[: sequence.start - len(sequence.prompt)]
+            self.engine.prefixes.extend(sequence.slot, len(sequence.prompt), answer)
         self.engine.pool.release(sequence.slot)
         sequence.slot = -1
 

@@ -143,14 +143,16 @@ def test_every_request_gets_one_time_to_first_token_however_many_follow(tiny_rep
     assert len(result.inter_token) == result.tokens - 24 * 2  # a request's first emission: its prefill's and its first step's
 
 
-def test_a_load_run_reuses_a_shared_head_but_not_a_prompt_from_its_last_pass(tiny_repo: Path) -> None:
-    """Three passes over two prompts with the same head, one client: in each pass the first prompt is prefilled
-    whole (not from its own rows of the pass before) and the second starts after the head."""
+def test_a_load_run_reuses_a_shared_head_but_not_a_prompt_from_its_last_pass_or_another_mode(tiny_repo: Path) -> None:
+    """Three passes over two prompts with the same head, one client per mode, two modes side by side: in each pass
+    the first prompt is prefilled whole (not from its own rows of the pass before, nor from the other mode's slot
+    that just prefilled it) and the second starts after the head."""
     engine, _ = load_engine(tiny_repo, threads=2, max_batch=2)
     head = [5, 6, 7, 8, 9, 10]
-    result = load_bench.run_load(engine, [head + [20, 21], head + [30]], 4, 1, 6, ("plain",))["plain"]
-    assert (result.reused_prompt_tokens, result.prompt_tokens) == (3 * len(head), 3 * (8 + 7))
-    assert result.summary()["reused_prompt_share"] == 18 / 45
+    results = load_bench.run_load(engine, [head + [20, 21], head + [30]], 4, 1, 6, ("dflash", "plain"))
+    for result in results.values():
+        assert (result.reused_prompt_tokens, result.prompt_tokens) == (3 * len(head), 3 * (8 + 7)), result.mode
+        assert result.summary()["reused_prompt_share"] == 18 / 45
 
 
 def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from dflash_trt.runtime.engine import GraphEngine
-from dflash_trt.runtime.loop import Sequence, generate
+from dflash_trt.runtime.loop import Sequence, generate, generate_plain
 from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams
@@ -35,6 +35,10 @@ def test_slot_prefixes_find_the_longest_shared_prefix_and_forget_overwritten_row
     assert prefixes.longest([1, 2, 7, 7, 0]) == (0, 4)
     prefixes.copy(1, 3, 2)
     assert prefixes.held(3) == 2
+    prefixes.enter(1, "tenant b")  # the slot now serves another scope: its rows are reused there only
+    assert prefixes.longest([1, 2, 9, 9]) == (0, 2) and prefixes.longest([1, 2, 9, 9], "tenant b") == (1, 3)
+    prefixes.clear("tenant b")
+    assert prefixes.longest([1, 2, 9, 9], "tenant b") == (-1, 0) and prefixes.held(0) == 4
 
 
 def _serve_together(engine: GraphEngine, sequences: list[Sequence]) -> None:
@@ -74,6 +78,16 @@ def test_a_conversation_turn_starts_after_the_previous_answer(engine: GraphEngin
     engine.reuse_prefixes = False
     assert generate(engine, follow_up, NEW_TOKENS).tokens == second.tokens
     engine.reuse_prefixes = True
+
+
+def test_a_plain_decoded_answer_is_not_held(engine: GraphEngine) -> None:
+    """Plain decoding's `decode` graph writes the target's rows only, so after it a slot holds just the prompt: a
+    next turn must not read the drafter's unwritten rows of that answer."""
+    prompt = SYSTEM + [31, 32]
+    answer = generate_plain(engine, prompt, NEW_TOKENS).tokens
+    assert engine.prefixes.longest(prompt + answer + [5])[1] == len(prompt)
+    answer = generate(engine, prompt, NEW_TOKENS).tokens  # DFlash keeps every state: the answer is held too
+    assert engine.prefixes.longest(prompt + answer + [5])[1] >= len(prompt) + len(answer) - 1
 
 
 def test_rows_written_over_a_held_prefix_are_not_reused(engine: GraphEngine) -> None:

@@ -22,6 +22,7 @@ minute to the next; in lock step the drift weighs on both alike. Rounds are pool
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy
             engine.pool.release(slot)
 
 
+_RUNS = itertools.count()  # numbers the closed-loop runs of a process (their prefix scopes)
+
+
 class _ClosedLoop:
     """One mode's clients: `requests` requests over `concurrency` closed-loop clients on its own scheduler, timed on
     its own clock (the seconds of its own steps), so modes stepping in turn each measure what they would alone."""
@@ -124,7 +128,7 @@ class _ClosedLoop:
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
         policy, max_active = policy_for(mode, engine, concurrency)
         self.scheduler = Scheduler(engine, policy, max_active)
-        self.scheduler.prefix_scope = mode  # modes side by side never reuse each other's prompts
+        self.run = next(_RUNS)
         self.pending = deque(range(requests))
         # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
         # id can then be the next request's)
@@ -135,11 +139,11 @@ class _ClosedLoop:
 
     def _submit(self) -> None:
         number = self.pending.popleft()
-        if number and number % len(self.prompts) == 0:
-            # A new pass over the prompts: a prompt is not served from its own rows of the last pass (a benchmark's
-            # repetition of its prompt set is not a workload's); prefixes shared within a pass are still reused.
-            self.scheduler.engine.prefixes.clear(self.scheduler.prefix_scope)
-        sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens)
+        # Each pass over the prompts of each run is its own prefix scope: a prompt is never served from its own rows
+        # of an earlier pass, another mode's or an earlier run's (a benchmark's repetition of its prompt set is not a
+        # workload's), while the heads its prompts share are reused within the pass.
+        scope = (self.run, number // len(self.prompts))
+        sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens, prefix_scope=scope)
         self.scheduler.submit(sequence)
         self.started[id(sequence)] = (number, self.result.seconds)
 

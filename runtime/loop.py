@@ -8,7 +8,7 @@ next block. `generate` and `stream_dflash` run one sequence through the batch sc
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -130,6 +130,7 @@ class Sequence:
     sampling: SamplingParams = GREEDY
     stop: StopCriteria = NO_STOP
     stats: GenerationStats = field(default_factory=lambda: GenerationStats(2))
+    prefix_scope: Hashable = None  # reuses rows only of prompts of the same scope (`GraphEngine.acquire`)
     tokens: list[int] = field(default_factory=list)  # generated so far
     slot: int = -1
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [last token, drafts...]

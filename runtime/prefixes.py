@@ -10,7 +10,8 @@ Reuse is exact: a row depends only on the tokens at and before its position, and
 the same bits whichever call computed it (tests/test_prefixes.py checks outputs against prefilling whole).
 
 A scope keeps users of one engine apart (vLLM's `cache_salt` does the same): a slot's rows are reused only by a
-prompt of the scope whose request last held the slot; serving runs one scope, `dflash-bench` one per mode it compares.
+prompt of the scope whose request last held the slot; serving runs one scope, `dflash-bench` one per pass over its
+prompts in each run.
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ class SlotPrefixes:
     def enter(self, slot: int, scope: Hashable) -> None:
         """`slot` now serves a request of `scope`: what it holds is reused only there."""
         self._scopes[slot] = scope
-
-    def clear(self, scope: Hashable = None) -> None:
-        """Forget the rows the slots of `scope` hold (they stay in the pool, unused)."""
-        for slot in [s for s in self._tokens if self._scopes.get(s) == scope]:
-            del self._tokens[slot]
 
     def held(self, slot: int) -> int:
         """How many leading tokens' rows `slot` holds."""

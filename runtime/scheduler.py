@@ -16,7 +16,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -385,7 +384,6 @@ class Scheduler:
         self.last_batch = 0  # rows of the last batched step
         self.last_graph_seconds = 0.0  # its graph call
         self.last_prefill_seconds = 0.0  # prefills of the sequences admitted in the same step()
-        self.prefix_scope: Hashable = None  # prompts reuse rows of prompts of this scope only (`GraphEngine.acquire`)
 
     def submit(self, sequence: Sequence) -> None:
         """Validate (raises RequestError with the reason) and queue for admission."""
@@ -425,7 +423,7 @@ class Scheduler:
         while self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active:
             sequence = self.waiting.popleft()
             sequence.began = time.perf_counter()
-            sequence.slot, reused = self.engine.acquire(sequence.prompt, self.prefix_scope)  # holds prompt[:reused]
+            sequence.slot, reused = self.engine.acquire(sequence.prompt, sequence.prefix_scope)  # holds prompt[:reused]
             sequence.stats.reused_prompt_tokens = reused
             uniform = float(sequence.uniforms[0])
             out = self.engine.prefill(sequence.slot, sequence.prompt[reused:], uniform, sequence.sampling, reused)

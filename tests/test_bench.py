@@ -153,6 +153,8 @@ def test_a_load_run_reuses_a_shared_head_but_not_a_prompt_from_its_last_pass_or_
     for result in results.values():
         assert (result.reused_prompt_tokens, result.prompt_tokens) == (3 * len(head), 3 * (8 + 7)), result.mode
         assert result.summary()["reused_prompt_share"] == 18 / 45
+    again = load_bench.run_load(engine, [head + [20, 21], head + [30]], 4, 1, 2, ("plain",))["plain"]
+    assert again.reused_prompt_tokens == len(head), "a new run does not reuse an earlier run's prompts either"
 
 
 def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:

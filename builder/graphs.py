@@ -115,8 +115,7 @@ class DFlashGraphs(nn.Module):
         out = self.target(input_ids, positions, past, logits_to_keep=1)
         first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
         ctx_rows = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D] each
-        context = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked(length)  # [Ld, B, R + P, Hkv, D]
-        ctx_k, ctx_v = write_rows(context.k, ctx_rows[0], positions), write_rows(context.v, ctx_rows[1], positions)
+        ctx_k, ctx_v = self._draft_context(draft_k, draft_v, slots, visible_rows, ctx_rows, positions)
         next_block = self.draft_block(first, start + length, ctx_k, ctx_v, self.block_size - 1)
         return first, next_block, out.k, out.v, *ctx_rows, *(out.recurrent or ())
 
@@ -147,10 +146,8 @@ class DFlashGraphs(nn.Module):
             block, start, slots, visible_rows, uniforms, sampling, target_k, target_v, target_ssm, target_conv
         )
         # The drafter sees its context rows up to next_start: the pool's rows < start, then this block's accepted ones.
-        past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked(block.shape[1])  # [Ld, B, R + V, Hkv, D]
         positions = start[:, None] + torch.arange(block.shape[1], device=block.device)  # [B, V]
-        ctx_k = write_rows(past.k, ctx_rows[0], positions)  # [Ld, B, R + V, Hkv, D]
-        ctx_v = write_rows(past.v, ctx_rows[1], positions)
+        ctx_k, ctx_v = self._draft_context(draft_k, draft_v, slots, visible_rows, ctx_rows, positions)
         bonus = tokens.gather(1, accept_len[:, None])[:, 0]  # [B]
         next_block = self.draft_block(bonus, next_start, ctx_k, ctx_v, draft_slots.shape[0])
         return tokens, accept_len, next_block, next_start, *target_rows[:2], *ctx_rows, *target_rows[2:]
@@ -251,6 +248,20 @@ class DFlashGraphs(nn.Module):
         return RecurrentState(
             ssm.index_select(0, index).unflatten(0, (layers, -1)), conv.index_select(0, index).unflatten(0, (layers, -1))
         )
+
+    def _draft_context(
+        self,
+        draft_k: torch.Tensor,
+        draft_v: torch.Tensor,
+        slots: torch.Tensor,
+        visible_rows: torch.Tensor,
+        ctx_rows: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafter's context for the next block: the pool's rows of these slots with this call's new rows
+        (ctx_rows [Ld, B, S, Hkv, D] each, at positions [B, S]) written in -> k, v [Ld, B, R + S, Hkv, D]."""
+        past = self._pooled("draft", draft_k, draft_v, slots, visible_rows).stacked(positions.shape[1])
+        return write_rows(past.k, ctx_rows[0], positions), write_rows(past.v, ctx_rows[1], positions)
 
     def _pooled(
         self, owner: str, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, visible_rows: torch.Tensor

@@ -176,10 +176,7 @@ class GraphEngine:
     def copy_prefix(self, source: int, target: int, rows: int) -> None:
         """Copy positions 0..rows-1 of every positional state from slot `source` to slot `target`: a shared prompt
         prefix, so that the target slot's `prefill` starts at `rows`."""
-        for state in self.spec.states:
-            if state.kind == "positional":
-                pool = self.pool.tensors[state.name]  # [L, N, T, *row]
-                pool[:, target, :rows] = pool[:, source, :rows]
+        self.pool.copy_positions(source, target, rows)
         self.prefixes.copy(source, target, rows)
 
     def run(self, graph: str, batch: StepBatch) -> StepResult:

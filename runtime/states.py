@@ -125,6 +125,13 @@ class StatePool:
         """Write a positional state in place: slots [B], positions [B, S], rows [layers, B, S, *row_shape]."""
         self.tensors[name][:, slots[:, None], positions] = rows.to(self.tensors[name].dtype)
 
+    def copy_positions(self, source: int, target: int, rows: int) -> None:
+        """Copy positions 0..rows-1 of every positional state from slot `source` to slot `target`."""
+        for spec in self.specs:
+            if spec.kind == "positional":
+                pool = self.tensors[spec.name]  # [L, N, T, *row]
+                pool[:, target, :rows] = pool[:, source, :rows]
+
     def write_values(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Replace a recurrent state in place: slots [B], values [layers, B, *shape]."""
         self.tensors[name][:, slots] = values.to(self.tensors[name].dtype)

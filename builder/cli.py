@@ -51,6 +51,7 @@ from dflash_trt.builder.repository import (
 from dflash_trt.builder.tensorrt_engine import TensorRTUnavailable, build_plan, require_tensorrt, tensorrt_available
 from dflash_trt.builder.trtllm_args import TRTLLM_CONTAINER, TRTLLM_RELEASE
 from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, llm_args, write_trtllm_repository
+from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
 from transformers import AutoTokenizer
@@ -273,6 +274,7 @@ def build(args: argparse.Namespace) -> Path | None:
             "backend": backend,
             "device": SERVABLE.get(backend, "cuda"),
             "engine": spec.to_json(),
+            "graph_schema": GRAPH_SCHEMA,
             "session": asdict(settings),
             "quantization": manifest_record(quantization, drafter_quantization),
             "tap_layer_ids": list(drafter.config.target_layer_ids),

@@ -105,14 +105,19 @@ class DFlashGraphs(nn.Module):
         target_v: torch.Tensor,
         draft_k: torch.Tensor,
         draft_v: torch.Tensor,
+        target_ssm: torch.Tensor | None = None,
+        target_conv: torch.Tensor | None = None,
     ) -> Outputs:
-        """input_ids: [B, P] at positions start..start+P-1, after the rows < start of each slot (a reused prompt
-        prefix; start 0: none); uniforms: [B, 1]. Recurrent states start from zero: a target with them prefills
-        whole prompts (start 0)."""
+        """input_ids: [B, P] at positions start..start+P-1, after the rows < start of each slot (a reused prefix;
+        start 0: none); uniforms: [B, 1]. Hybrid targets continue the slot's recurrent states where start > 0 (they
+        hold exactly the first `start` tokens) and start from zero where start = 0."""
         batch, length = input_ids.shape
         positions = start[:, None] + torch.arange(length, device=input_ids.device)[None, :]  # [B, P]
         past = self._pooled("target", target_k, target_v, slots, visible_rows)
-        out = self.target(input_ids, positions, past, logits_to_keep=1)
+        before = self._pooled_recurrent(target_ssm, target_conv, slots)
+        if before is not None:
+            before = RecurrentState(*(torch.where(_rows_mask(start > 0, s), s, 0.0) for s in before))
+        out = self.target(input_ids, positions, past, logits_to_keep=1, recurrent=before)
         first = sample_tokens(out.logits, uniforms, temperature, top_k, top_p, sampled_rows, candidate_slots)[:, 0]  # [B]
         ctx_rows = self.drafter.context_kv(out.taps, positions)  # [Ld, B, P, Hkv, D] each
         ctx_k, ctx_v = self._draft_context(draft_k, draft_v, slots, visible_rows, ctx_rows, positions)
@@ -296,6 +301,11 @@ GRAPH_MODULES: dict[str, type[DFlashGraphs]] = {
     "decode": DecodeGraph,
 }
 assert tuple(GRAPH_MODULES) == GRAPH_NAMES
+
+
+def _rows_mask(rows: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """rows: [B] bool -> shaped to broadcast over states [L, B, ...]."""
+    return rows.reshape(1, -1, *([1] * (states.dim() - 2)))
 
 
 def graph_module(graphs: DFlashGraphs, name: str) -> DFlashGraphs:

@@ -122,23 +122,15 @@ class GraphEngine:
         self._carriers: dict[int, torch.Tensor] = {}
         self._flat_states = {s.name: self.pool.tensors[s.name].view(-1, *pool_view_shape(s)) for s in spec.states}  # graph form
         self._input_names = {graph: {t.name for t in graph_inputs(graph, spec.states)} for graph in GRAPH_NAMES}
-        self.recurrent = any(s.kind == "recurrent" for s in spec.states)  # a prefill starts them from zero
-        self.prefixes = SlotPrefixes()  # the prompt rows each slot still holds
-        self.reuse_prefixes = True
-
-    @property
-    def reuse_prefixes(self) -> bool:
-        """Whether `acquire` starts a prompt after a prefix a slot holds (never on targets with recurrent states)."""
-        return self._reuse_prefixes
-
-    @reuse_prefixes.setter
-    def reuse_prefixes(self, on: bool) -> None:
-        self._reuse_prefixes = on and not self.recurrent
+        self.recurrent = any(s.kind == "recurrent" for s in spec.states)  # they hold a slot's whole sequence
+        self.prefixes = SlotPrefixes(whole=self.recurrent)  # the prompt rows each slot still holds
+        self.reuse_prefixes = True  # whether `acquire` starts a prompt after a prefix a slot holds
 
     def acquire(self, prompt: list[int], scope: Hashable = None) -> tuple[int, int]:
         """A free slot for `prompt` -> (slot, start): the slot already holds the rows of the prompt's first `start`
         tokens (a prefix shared with a prompt of the same `scope` prefilled earlier, copied from that prompt's slot
-        unless the slot is that one), so `prefill` computes prompt[start:]. Raises NoFreeSlot."""
+        unless the slot is that one), so `prefill` computes prompt[start:]. On targets with recurrent states, only a
+        slot's whole sequence is reused (`SlotPrefixes`). Raises NoFreeSlot."""
         if not self.reuse_prefixes:
             return self.pool.acquire(), 0
         donor, shared = self.prefixes.longest(prompt, scope)
@@ -153,11 +145,14 @@ class GraphEngine:
     def prefill(self, slot: int, tokens: list[int], uniform: float, sampling: SamplingParams, start: int = 0) -> StepResult:
         """A prompt's tokens from position `start` on into pool slot `slot` -> its first token (target_tokens[:, 0])
         and first draft block. Rows < start of the slot must hold the prompt's first `start` tokens' states (a
-        reused prefix, `copy_prefix`); targets with recurrent states prefill whole prompts."""
-        if start and self.recurrent:
-            raise ValueError(f"start={start}: this target keeps recurrent states, so its prompts are prefilled whole")
+        reused prefix, `copy_prefix`), and on targets with recurrent states the slot's sequence must end there."""
         if start > self.prefixes.held(slot):
             raise ValueError(f"start={start}: slot {slot} holds the rows of {self.prefixes.held(slot)} prompt tokens")
+        if start and self.recurrent and self.prefixes.end(slot) != start:
+            raise ValueError(
+                f"start={start}: slot {slot}'s recurrent states have taken in {self.prefixes.end(slot)} tokens, not "
+                f"{start}: this target continues only a slot's whole sequence (prefill from start=0 instead)"
+            )
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long),
             "start": torch.tensor([start]),
@@ -169,14 +164,15 @@ class GraphEngine:
         }
         out = self.runner.run("prefill", {k: v for k, v in inputs.items() if k in self._input_names["prefill"]})
         self._write_rows(out, torch.tensor([slot]), start + torch.arange(len(tokens))[None, :])
+        self.prefixes.written(slot, start, start + len(tokens))
         self.prefixes.extend(slot, start, tokens)
         end = torch.tensor([start + len(tokens)])
         return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], end)
 
     def copy_prefix(self, source: int, target: int, rows: int) -> None:
-        """Copy positions 0..rows-1 of every positional state from slot `source` to slot `target`: a shared prompt
-        prefix, so that the target slot's `prefill` starts at `rows`."""
-        self.pool.copy_positions(source, target, rows)
+        """Copy the states of the first `rows` tokens of slot `source` into slot `target` (`StatePool.copy_sequence`):
+        a shared prompt prefix, so that the target slot's `prefill` starts at `rows`."""
+        self.pool.copy_sequence(source, target, rows)
         self.prefixes.copy(source, target, rows)
 
     def run(self, graph: str, batch: StepBatch) -> StepResult:
@@ -200,8 +196,8 @@ class GraphEngine:
         out = self.runner.run(graph, {k: v for k, v in inputs.items() if k in self._input_names[graph]})
         positions = batch.start[:, None] + torch.arange(batch.block.shape[1])  # [B, V]
         self._write_rows(out, batch.slots, positions)
-        for slot, first in zip(batch.slots.tolist(), batch.start.tolist(), strict=True):
-            self.prefixes.overwritten(slot, first)
+        for slot, first, end in zip(batch.slots.tolist(), batch.start.tolist(), out["next_start"].tolist(), strict=True):
+            self.prefixes.written(slot, first, end)
         return out
 
     def _visible_rows(self, largest_start: int, width: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ verify   the same without drafting (the next "block" is the bonus token alone): 
 decode   plain decoding: verify without taps, target states only (the baseline on the same engine)
 
 Graphs read states from the engine's pool by `slots` [batch] and position: rows < start of each sequence are
-visible, and only the first R = len(visible_rows) positions are read. The prefill reads positional states only: it
-starts recurrent states from zero, so a prefix is reused only on targets without them. A positional state enters
+visible, and only the first R = len(visible_rows) positions are read. The prefill continues a slot's recurrent
+states where start > 0 (a reused sequence: the states hold exactly its first `start` tokens) and starts them from
+zero where start = 0, whatever the pool holds. A positional state enters
 flat, [layers * slots * positions, *row_shape] (a view of the pool: no reshape inside the graph, which would copy
 the whole pool on some runtimes). Graphs return the rows they computed (positions start..start+V-1, or +P-1) as
 `{state}_rows`, which the engine writes into the pool in place.
@@ -25,6 +26,9 @@ import torch
 from dflash_trt.runtime.states import StateSpec
 
 GRAPH_NAMES = ("prefill", "step", "verify", "decode")
+# The version of this schema a build's graphs follow (its manifest's `graph_schema`): the runtime serves only graphs of
+# its own. 2: the prefill reads the pool (prompt prefix reuse); 3: a hybrid target's prefill reads its recurrent states.
+GRAPH_SCHEMA = 3
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ def graph_inputs(graph: str, states: tuple[StateSpec, ...]) -> tuple[TensorSpec,
     read = tuple(
         TensorSpec(s.name, "state", (f"{owner(s)}_{POOL_AXIS[s.kind]}", *map(str, pool_view_shape(s))))
         for s in states
-        if owner(s) in READS[graph] and (graph != "prefill" or s.kind == "positional")
+        if owner(s) in READS[graph]
     )
     return (*fixed, *drafting, *SAMPLING, *read)
 

@@ -9,6 +9,11 @@ of that slot at earlier positions (a new sequence's prefill, or the throw-away r
 Reuse is exact: a row depends only on the tokens at and before its position, and ONNX Runtime computes it with
 the same bits whichever call computed it (tests/test_prefixes.py checks outputs against prefilling whole).
 
+A target with recurrent states (Qwen3.5's Gated DeltaNet layers) keeps in them a slot's whole sequence, not its
+prefixes: there a slot is reused only in full (all its held tokens begin the new prompt: a conversation's next turn)
+and only while its recurrent states have taken in exactly those tokens, no more (a request that ended without its
+answer recorded, or a timing call's throw-away step, moves them past the held rows).
+
 A scope keeps users of one engine apart (vLLM's `cache_salt` does the same): a slot's rows are reused only by a
 prompt of the scope whose request last held the slot; serving runs one scope, `dflash-bench` one per pass over its
 prompts in each run.
@@ -22,15 +27,19 @@ import numpy as np
 
 
 class SlotPrefixes:
-    """slot -> the tokens at positions 0..n-1 whose rows the slot holds, and the scope they are reused in."""
+    """slot -> the tokens at positions 0..n-1 whose rows the slot holds, and the scope they are reused in; with
+    `whole` (a target with recurrent states), also how many tokens each slot's recurrent states have taken in."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
+        self.whole = whole
         self._tokens: dict[int, np.ndarray] = {}
         self._scopes: dict[int, Hashable] = {}
+        self._ends: dict[int, int] = {}  # slot -> tokens its sequence's states have taken in (the next position)
 
     def longest(self, prompt: list[int], scope: Hashable = None) -> tuple[int, int]:
         """(slot, shared tokens) of the slot of `scope` holding the longest prefix of `prompt`, at most len(prompt) - 1
-        tokens (the last prompt token is always computed: its logits give the first token); (-1, 0) if none."""
+        tokens (the last prompt token is always computed: its logits give the first token); (-1, 0) if none. With
+        `whole`, only a slot whose held tokens all begin the prompt and whose states end where they do."""
         wanted = np.asarray(prompt[:-1])
         best_slot, best = -1, 0
         for slot, held in self._tokens.items():
@@ -39,6 +48,8 @@ class SlotPrefixes:
             n = min(len(held), len(wanted))
             differs = np.flatnonzero(held[:n] != wanted[:n])
             shared = int(differs[0]) if len(differs) else n
+            if self.whole and not shared == len(held) == self._ends.get(slot):
+                continue
             if shared > best:
                 best_slot, best = slot, shared
         return best_slot, best
@@ -51,6 +62,18 @@ class SlotPrefixes:
         """How many leading tokens' rows `slot` holds."""
         return len(self._tokens.get(slot, ()))
 
+    def end(self, slot: int) -> int:
+        """How many tokens the states of `slot`'s sequence have taken in (its next position)."""
+        return self._ends.get(slot, 0)
+
+    def written(self, slot: int, first_position: int, end: int) -> None:
+        """A graph call wrote rows of `slot` from `first_position` on, and its sequence now ends at `end`: held rows
+        from there on hold something else now."""
+        held = self._tokens.get(slot)
+        if held is not None and first_position < len(held):
+            self._tokens[slot] = held[:first_position]
+        self._ends[slot] = end
+
     def extend(self, slot: int, start: int, tokens: list[int]) -> None:
         """Rows of `tokens` were written at positions start.. of `slot` (recorded only after `start` held tokens)."""
         held = self._tokens.get(slot, np.empty(0, dtype=np.int64))
@@ -58,11 +81,7 @@ class SlotPrefixes:
             self._tokens[slot] = np.concatenate([held[:start], np.asarray(tokens, dtype=np.int64)])
 
     def copy(self, source: int, target: int, rows: int) -> None:
+        """`target` now holds `source`'s first `rows` tokens (`StatePool.copy_sequence`)."""
         self._tokens[target] = self._tokens[source][:rows].copy()
         self._scopes[target] = self._scopes.get(source)
-
-    def overwritten(self, slot: int, first_position: int) -> None:
-        """Rows of `slot` from `first_position` on were written with something else."""
-        held = self._tokens.get(slot)
-        if held is not None and first_position < len(held):
-            self._tokens[slot] = held[:first_position]
+        self._ends[target] = rows

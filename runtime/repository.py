@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from dflash_trt.builder.repository import MANIFEST
 from dflash_trt.runtime.engine import EngineSpec, GraphEngine
+from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner, SessionSettings
 from dflash_trt.runtime.tensorrt_runner import TensorRTRunner, tensorrt_runtime_available
 
@@ -52,6 +53,19 @@ def check_servable(manifest: dict[str, Any], where: Path, device: str | None = N
         raise RuntimeError(
             f"{where} holds TensorRT plans: serving them needs TensorRT 10+ and a CUDA GPU (the NVIDIA Triton "
             "container on a GPU); rebuild with dflash-build --backend torch-cuda (GPU) or --backend onnxruntime (CPU)"
+        )
+    if backend != "torch-cuda":  # its graphs are files, which must follow this runtime's schema (torch-cuda's are code)
+        check_graph_schema(manifest, where)
+
+
+def check_graph_schema(manifest: dict[str, Any], where: Path) -> None:
+    """Refuse graphs built for another version of the graph schema (inputs and outputs the runtime would not match)."""
+    built = manifest.get("graph_schema", "unrecorded (older than schema 3)")
+    if built != GRAPH_SCHEMA:
+        raise RuntimeError(
+            f"{where} holds graphs of graph schema {built}, built by dflash-trt {manifest.get('dflash_trt_version')}; "
+            f"this runtime serves schema {GRAPH_SCHEMA}: rebuild the repository with this version's dflash-build "
+            "(the same command, with --force)"
         )
 
 

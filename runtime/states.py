@@ -125,12 +125,16 @@ class StatePool:
         """Write a positional state in place: slots [B], positions [B, S], rows [layers, B, S, *row_shape]."""
         self.tensors[name][:, slots[:, None], positions] = rows.to(self.tensors[name].dtype)
 
-    def copy_positions(self, source: int, target: int, rows: int) -> None:
-        """Copy positions 0..rows-1 of every positional state from slot `source` to slot `target`."""
+    def copy_sequence(self, source: int, target: int, rows: int) -> None:
+        """Copy the states of a sequence's first `rows` tokens from slot `source` to slot `target`: positions
+        0..rows-1 of every positional state, and every recurrent state whole (the caller copies a slot whose
+        recurrent states hold exactly those tokens)."""
         for spec in self.specs:
+            pool = self.tensors[spec.name]  # positional [L, N, T, *row], recurrent [L, N, *shape]
             if spec.kind == "positional":
-                pool = self.tensors[spec.name]  # [L, N, T, *row]
                 pool[:, target, :rows] = pool[:, source, :rows]
+            else:
+                pool[:, target] = pool[:, source]
 
     def write_values(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """Replace a recurrent state in place: slots [B], values [layers, B, *shape]."""

@@ -134,8 +134,9 @@ def test_served_sampling_refuses_bad_values(fields: tuple[float, int, float | No
 def test_engines_the_runtime_cannot_run_are_refused_before_serving(
     tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A repository of TensorRT plans where TensorRT cannot run, or of an unknown backend: load_engine and
-    dflash-serve refuse it naming the rebuild; the manifest of a default build says what it needs."""
+    """A repository of TensorRT plans where TensorRT cannot run, of an unknown backend, or of graphs of another
+    graph schema: load_engine and dflash-serve refuse it naming the rebuild; the manifest of a default build says
+    what it needs."""
     from dflash_trt.runtime.repository import load_engine
     from dflash_trt.runtime.serve import main as dflash_serve
 
@@ -155,3 +156,8 @@ def test_engines_the_runtime_cannot_run_are_refused_before_serving(
         path.write_text(json.dumps({**json.loads(path.read_text()), "backend": "openvino"}))
     assert dflash_serve([str(repo), "--grpc-port", "1", "--http-port", "2", "--metrics-port", "3"]) == 2
     assert "holds openvino engines" in capsys.readouterr().err
+    for path in manifests:  # graphs built by an older dflash-trt, whose inputs this runtime would not match
+        older = {k: v for k, v in json.loads(path.read_text()).items() if k != "graph_schema"}
+        path.write_text(json.dumps({**older, "backend": "onnxruntime", "device": "cpu"}))
+    with pytest.raises(RuntimeError, match=r"graphs of graph schema unrecorded .*serves schema \d+: rebuild .*--force"):
+        load_engine(repo)

@@ -29,7 +29,7 @@ def test_slot_prefixes_find_the_longest_shared_prefix_and_forget_overwritten_row
     assert prefixes.longest([1, 2, 3, 4]) == (0, 3), "the last prompt token is always computed"
     assert prefixes.longest([1, 2, 9, 9]) == (1, 3)
     assert prefixes.longest([5, 1]) == (-1, 0)
-    prefixes.overwritten(0, 2)  # e.g. a timing call's throw-away rows from position 2 on
+    prefixes.written(0, 2, 3)  # e.g. a timing call's throw-away rows from position 2 on
     assert prefixes.held(0) == 2 and prefixes.longest([1, 2, 3, 4])[1] == 2
     prefixes.extend(0, 2, [7, 7])  # a prefill from position 2, after the 2 rows the slot holds
     assert prefixes.longest([1, 2, 7, 7, 0]) == (0, 4)
@@ -38,6 +38,23 @@ def test_slot_prefixes_find_the_longest_shared_prefix_and_forget_overwritten_row
     prefixes.enter(1, "tenant b")  # the slot now serves another scope: its rows are reused there only
     assert prefixes.longest([1, 2, 9, 9]) == (0, 2) and prefixes.longest([1, 2, 9, 9], "tenant b") == (1, 3)
     assert prefixes.longest([1, 2, 7, 7, 0], "tenant c") == (-1, 0)
+
+
+def test_with_recurrent_states_only_a_whole_sequence_whose_states_end_there_is_reused() -> None:
+    """`whole` (a target with recurrent states, which hold a slot's whole sequence): a slot counts only if all its
+    held tokens begin the prompt and its states have taken in exactly those."""
+    prefixes = SlotPrefixes(whole=True)
+    prefixes.written(0, 0, 4)  # a prefill of 4 tokens
+    prefixes.extend(0, 0, [1, 2, 3, 4])
+    assert prefixes.longest([1, 2, 3, 4, 5]) == (0, 4), "a conversation's next turn: the whole sequence"
+    assert prefixes.longest([1, 2, 3, 9, 5]) == (-1, 0), "a shared head alone: the states hold more than it"
+    assert prefixes.longest([1, 2, 3, 4]) == (-1, 0), "the last prompt token is computed: the states would be past it"
+    prefixes.written(0, 4, 6)  # a step: the states took in 2 more tokens, whose answer was not recorded
+    assert prefixes.longest([1, 2, 3, 4, 5]) == (-1, 0)
+    prefixes.extend(0, 4, [5, 6])  # the answer recorded when its request ended
+    assert prefixes.longest([1, 2, 3, 4, 5, 6, 7]) == (0, 6)
+    prefixes.copy(0, 1, 6)
+    assert prefixes.end(1) == 6 and prefixes.held(1) == 6
 
 
 def _serve_together(engine: GraphEngine, sequences: list[Sequence]) -> None:
@@ -57,7 +74,7 @@ def test_a_shared_prompt_head_is_prefilled_once_and_outputs_stay_exact(engine: G
     engine.reuse_prefixes = False
     whole = [generate(engine, SYSTEM + tail, NEW_TOKENS, s).tokens for tail, s in zip(tails, samplings, strict=True)]
     engine.reuse_prefixes = True
-    engine.prefixes = SlotPrefixes()  # nothing held from the runs above
+    engine.prefixes = SlotPrefixes(whole=engine.recurrent)  # nothing held from the runs above
     sequences = [Sequence(SYSTEM + tail, NEW_TOKENS, s) for tail, s in zip(tails, samplings, strict=True)]
     _serve_together(engine, sequences)
     assert [s.stats.reused_prompt_tokens for s in sequences] == [0, len(SYSTEM), len(SYSTEM)]
@@ -105,7 +122,7 @@ def test_rows_written_over_a_held_prefix_are_not_reused(engine: GraphEngine) -> 
 def test_a_prefill_past_the_rows_a_slot_holds_is_refused(engine: GraphEngine) -> None:
     slot = engine.pool.acquire()
     try:
-        engine.prefixes.overwritten(slot, 0)
+        engine.prefixes.written(slot, 0, 0)
         with pytest.raises(ValueError, match=rf"start=5: slot {slot} holds the rows of 0 prompt tokens"):
             engine.prefill(slot, [1, 2], 0.0, SamplingParams(), start=5)
     finally:

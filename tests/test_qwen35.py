@@ -338,15 +338,40 @@ def test_onnxruntime_engine_and_dflash_serve_equal_transformers(
     engine, manifest = load_engine(qwen35_repo)
     assert [s["name"] for s in manifest["engine"]["states"]][-2:] == ["target_ssm", "target_conv"]
     assert manifest["target"]["not_built"] == ["visual.*"]  # the tiny checkpoint has a vision tower, no MTP head
-    assert not engine.reuse_prefixes, "a prefill starts recurrent states from zero: no prompt prefix is reused"
-    with pytest.raises(ValueError, match="recurrent states, so its prompts are prefilled whole"):
-        engine.prefill(0, [5], 0.0, SamplingParams(), start=1)
     for prompt, expected in greedy.items():
         assert generate(engine, list(prompt), NEW_TOKENS).tokens == expected, prompt
     with running_server(qwen35_repo, tmp_path) as ports:
         for prompt, expected in list(greedy.items())[:5]:
             served = [t for r in stream_tokens(f"localhost:{ports.grpc}", list(prompt), Request(NEW_TOKENS)) for t in r["tokens"]]
             assert served == expected, prompt
+
+
+def test_a_conversation_turn_continues_the_slots_recurrent_states(qwen35_repo: Path) -> None:
+    """A hybrid target's recurrent states hold a slot's whole sequence: the next turn of a conversation (previous
+    prompt + answer + new text) continues them and prefills only the new text, with the output of prefilling the
+    whole conversation (ONNX Runtime); a head shared with another prompt alone is not reused (the states hold
+    more than it), and a prefill from a position the states do not end at is refused."""
+    from dflash_trt.runtime.repository import load_engine
+
+    engine, _ = load_engine(qwen35_repo)
+    prompt = _prompts(PROMPTS)[0]
+    answer = generate(engine, prompt, 24).tokens
+    follow_up = prompt + answer + [7, 8, 9]
+    turn = generate(engine, follow_up, 24)
+    assert len(prompt) + len(answer) - 1 <= turn.stats.reused_prompt_tokens <= len(prompt) + len(answer)
+    head_only = prompt + [11, 12]
+    other = generate(engine, head_only, 24)
+    assert other.stats.reused_prompt_tokens == 0
+    engine.reuse_prefixes = False
+    assert generate(engine, follow_up, 24).tokens == turn.tokens
+    assert generate(engine, head_only, 24).tokens == other.tokens
+    slot = engine.pool.acquire()
+    try:
+        engine.prefill(slot, head_only, 0.0, SamplingParams())
+        with pytest.raises(ValueError, match=rf"start=2: slot {slot}'s recurrent states have taken in {len(head_only)} "):
+            engine.prefill(slot, head_only[2:], 0.0, SamplingParams(), start=2)
+    finally:
+        engine.pool.release(slot)
 
 
 def test_a_drafter_for_another_hidden_size_is_refused(qwen35_dir: Path, tmp_path: Path) -> None:

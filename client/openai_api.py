@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, stream_text, stream_tokens
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,6 +110,15 @@ class StopTrim:
         return out
 
 
+class Answered(NamedTuple):
+    """One response of a completion from Triton."""
+
+    text: str  # new since the last response
+    finish: str | None  # finish_reason: None until the last response
+    completion_tokens: int  # so far
+    cached_tokens: int | None = None  # prompt tokens whose rows the engine reused (None: the engine does not say)
+
+
 class Frontend:
     """The tokenizer, the chat template and where Triton is."""
 
@@ -150,30 +159,33 @@ class Frontend:
             raise InvalidRequest(f"{len(prompts)} prompts in one request: send one prompt per request", "prompt")
         return prompts[0], list(self.tokenizer(prompts[0])["input_ids"])
 
-    def generate(self, text: str, ids: list[int], request: Request) -> Iterator[tuple[str, str | None, int]]:
-        """(text, finish_reason or None, completion tokens so far) per response from Triton."""
+    def generate(self, text: str, ids: list[int], request: Request) -> Iterator[Answered]:
+        """Each response from Triton."""
         if self.text_level:
             yield from self._generate_text(text, request)
             return
         from dflash_trt.runtime.detokenize import TextStream
 
         text_stream, trim, generated, ended_by_eos = TextStream(self.tokenizer), StopTrim(request.stop_words), 0, False
+        cached = None
         for piece in stream_tokens(self.url, ids, request):
             generated += len(piece["tokens"])
             ended_by_eos = ended_by_eos or any(t in self.eos for t in piece["tokens"])
-            yield trim.push(text_stream.push(piece["tokens"]), last=False), None, generated
+            cached = piece["reused_prompt_tokens"]
+            yield Answered(trim.push(text_stream.push(piece["tokens"]), last=False), None, generated, cached)
         tail = trim.push("", last=True)
-        yield tail, "stop" if trim.stopped or ended_by_eos or generated < request.max_tokens else "length", generated
+        finish = "stop" if trim.stopped or ended_by_eos or generated < request.max_tokens else "length"
+        yield Answered(tail, finish, generated, cached)
 
-    def _generate_text(self, prompt: str, request: Request) -> Iterator[tuple[str, str | None, int]]:
+    def _generate_text(self, prompt: str, request: Request) -> Iterator[Answered]:
         """The text-level path: the engine detokenizes; the completion's tokens are counted once it ended (a turn
         shorter than max_tokens ended by itself: "stop")."""
         trim, completion = StopTrim(request.stop_words), ""
         for piece in stream_text(self.url, prompt, request):
             completion += piece["text"]
-            yield trim.push(piece["text"], last=False), None, 0
+            yield Answered(trim.push(piece["text"], last=False), None, 0)
         tail, generated = trim.push("", last=True), len(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
-        yield tail, "stop" if trim.stopped or generated < request.max_tokens else "length", generated
+        yield Answered(tail, "stop" if trim.stopped or generated < request.max_tokens else "length", generated)
 
 
 def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
@@ -225,8 +237,12 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
             "model": frontend.model,
         }
 
-        def usage(generated: int) -> dict[str, int]:
-            return {"prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}
+        def usage(last: Answered) -> dict[str, Any]:
+            counts: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": last.completion_tokens}
+            counts["total_tokens"] = len(ids) + last.completion_tokens
+            if last.cached_tokens is not None:  # as OpenAI reports prompt caching
+                counts["prompt_tokens_details"] = {"cached_tokens": last.cached_tokens}
+            return counts
 
         def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
             if not chat:
@@ -236,17 +252,16 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
 
         if not body.stream:
             answers = list(frontend.generate(text, ids, replace(request, stream=False)))
-            _, finish, generated = answers[-1]
-            completion = "".join(piece for piece, _, _ in answers)
+            completion, last = "".join(answer.text for answer in answers), answers[-1]
             kind = "chat.completion" if chat else "text_completion"
-            return {**head, "object": kind, "choices": [choice(completion, finish, False)], "usage": usage(generated)}
+            return {**head, "object": kind, "choices": [choice(completion, last.finish, False)], "usage": usage(last)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
         responses = frontend.generate(text, ids, request)
         first = next(responses)  # a refused request gets its HTTP error here, before the stream starts
 
         def events() -> Iterator[str]:
-            generated = 0
+            last = first
             if chat:
                 yield _sse(
                     {
@@ -256,15 +271,14 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
                     }
                 )
             try:
-                for piece, finish, tokens in itertools.chain([first], responses):
-                    generated = tokens
-                    if piece or finish:
-                        yield _sse({**head, "object": kind, "choices": [choice(piece, finish, True)]})
+                for last in itertools.chain([first], responses):
+                    if last.text or last.finish:
+                        yield _sse({**head, "object": kind, "choices": [choice(last.text, last.finish, True)]})
             except ServerError as failure:
                 yield _sse({"error": {"message": str(failure), "type": "server_error", "param": None, "code": None}})
                 return
             if body.include_usage:
-                yield _sse({**head, "object": kind, "choices": [], "usage": usage(generated)})
+                yield _sse({**head, "object": kind, "choices": [], "usage": usage(last)})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -87,7 +87,10 @@ class Request:
         return greedy or self.seed is not None
 
 
-STAT_OUTPUTS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
+STAT_OUTPUTS = (
+    "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens",
+    "reused_prompt_tokens",
+)  # fmt: skip
 NUMPY_TYPES = {
     "max_tokens": np.int32,
     "stream": np.bool_,
@@ -279,7 +282,7 @@ def http_generate_stream(base_url: str, text: str, request: Request, timing: Tim
                 timing.mark()
             yield {
                 "text": event.get("text_output", ""),
-                **{k: v for k, v in event.items() if k.startswith(("total_", "acceptance"))},
+                **{k: v for k, v in event.items() if k in STAT_OUTPUTS},
             }
 
 

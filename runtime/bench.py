@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=2,
-        help="with --concurrency: rounds of the three modes (one at a time, then at each level DFlash and plain "
-        "batched side by side in lock step, each timed on its own clock, so a drift in the machine's speed weighs "
-        "on both alike), each mode's rounds pooled",
+        help="with --concurrency: rounds of the three modes (at each level DFlash and plain batched side by side in "
+        "lock step, and one at a time taking turns with them in slices of a few seconds, each timed on its own clock, "
+        "so a drift in the machine's speed weighs on all alike), each mode's rounds pooled",
     )
     parser.add_argument(
         "--requests-per-client",

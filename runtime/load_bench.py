@@ -8,16 +8,18 @@ as soon as its previous answer is complete), measured for three ways of serving 
 Each client sends about `requests_per_client` requests, in whole passes over the prompts (`requests_at`): with as
 many requests as clients, every client's last request ends in a batch that has drained (session 21, C = 16 and 20
 HumanEval prompts: the last 4 ran 128 steps at batch 4, and the table read 3.04x one at a time where a full batch
-reads 3.47x), so that measured how a batch empties, not throughput at C. One at a time runs once per round, over as
-many requests as the largest level's: its throughput does not depend on C (one request in the engine at a time), and
-the longest run is the most favourable to it (its verify policy has learnt acceptance for longest).
+reads 3.47x), so that measured how a batch empties, not throughput at C.
 
 Reports aggregate generated tok/s, p50/p99 time to first token and inter-token latency (gap between a client's
 successive tokens, a step's tokens spread evenly over the step), and the share of each step spent on the host.
 At each level DFlash and plain decoding run side by side in lock step (`run_load`): each its own scheduler on its
 own slots of the engine, their steps taken in turn, each timed on its own clock (its own steps' seconds: TTFT and
 inter-token gaps too). Back-to-back runs could not tell them apart on a CPU whose speed drifts by up to 18% from one
-minute to the next; in lock step the drift weighs on both alike. Rounds are pooled (tokens and seconds added).
+minute to the next; in lock step the drift weighs on both alike. One at a time runs beside each level, over the
+level's request count, taking turns with the level's pair in slices of about `SLICE_SECONDS` of steps (`take_turns`:
+the side behind in its share of requests finished goes next), so both span the same minutes: run before the levels,
+it read 37.4 and 42.8 tok/s in two rounds of one session 26 run. Not in lock step: stepping batch-1 steps in turn
+with batch-16 steps slowed them by about 10% (session 25). Rounds are pooled (tokens and seconds added).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.scheduler import AdaptiveVerify, PlainDecoding, Scheduler, VerifyPolicy
 
 REQUESTS_PER_CLIENT = 4  # requests each client sends in a run, about (`requests_at`)
+SLICE_SECONDS = 5.0  # one at a time and a level's pair take turns in slices of about this much stepping
 
 
 @dataclass
@@ -147,6 +150,11 @@ class _ClosedLoop:
         self.scheduler.submit(sequence)
         self.started[id(sequence)] = (number, self.result.seconds)
 
+    @property
+    def finished_share(self) -> float:
+        """The share of its requests finished."""
+        return 1.0 - (len(self.pending) + len(self.started)) / self.result.requests
+
     def step(self) -> None:
         """One scheduler step; its seconds advance this mode's clock."""
         began = time.perf_counter()
@@ -178,35 +186,62 @@ class _ClosedLoop:
 
 
 def run_load(
-    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, modes: tuple[str, ...]
+    engine: GraphEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    requests: int,
+    modes: tuple[str, ...],
+    alone_requests: int = 0,
+    alone_first: bool = True,
 ) -> dict[str, LoadResult]:
     """For each mode, `requests` greedy requests over `concurrency` closed-loop clients (prompts taken in turn), the
     modes' schedulers on their own slots of one engine, stepping in turn, each timed on its own clock: a machine
     whose speed drifts weighs on every mode alike (this 2-core CPU's speed moves by up to 18% between back-to-back
-    one-minute runs, more than the differences measured)."""
-    if concurrency * len(modes) > engine.pool.slots:
+    one-minute runs, more than the differences measured). With `alone_requests`, one at a time over that many
+    requests too, taking turns with them in slices (`take_turns`; `alone_first`: it has the first slice)."""
+    needed = concurrency * len(modes) + (1 if alone_requests else 0)
+    if needed > engine.pool.slots:
         raise ValueError(
-            f"{len(modes)} modes x {concurrency} clients need {concurrency * len(modes)} slots; the engine has "
-            f"{engine.pool.slots}: load it with more"
+            f"{len(modes)} modes x {concurrency} clients{' and one at a time' if alone_requests else ''} need {needed} "
+            f"slots; the engine has {engine.pool.slots}: load it with more"
         )
     loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode) for mode in modes]
-    while any(loop.scheduler.busy for loop in loops):
-        for loop in loops:
-            if loop.scheduler.busy:
-                loop.step()
-    return {loop.result.mode: loop.result for loop in loops}
+    groups = [loops]
+    if alone_requests:
+        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time")]
+        groups = [alone, loops] if alone_first else [loops, alone]
+    take_turns(groups, SLICE_SECONDS if alone_requests else float("inf"))
+    return {loop.result.mode: loop.result for group in groups for loop in group}
+
+
+def take_turns(groups: list[list[_ClosedLoop]], slice_seconds: float) -> None:
+    """Run every group's loops to the end: a group's loops step in turn (lock step), and groups take turns in slices
+    of about `slice_seconds` of wall time, the next slice going to the group furthest behind in its share of requests
+    finished (the first listed on a tie)."""
+
+    def busy(group: list[_ClosedLoop]) -> bool:
+        return any(loop.scheduler.busy for loop in group)
+
+    while any(busy(group) for group in groups):
+        group = min((g for g in groups if busy(g)), key=lambda g: min(loop.finished_share for loop in g))
+        began = time.perf_counter()
+        while busy(group) and time.perf_counter() - began < slice_seconds:
+            for loop in group:
+                if loop.scheduler.busy:
+                    loop.step()
 
 
 def round_order(number: int) -> tuple[str, ...]:
     """The batched modes of round `number` at each level, stepping in turn (`run_load`): DFlash and plain decoding,
-    which steps first alternating by round (one at a time runs once, at the round's start)."""
+    which steps first alternating by round (as does whether one at a time or they have the first slice)."""
     return ("dflash", "plain") if number % 2 == 0 else ("plain", "dflash")
 
 
 def slots_for(levels: list[int]) -> int:
     """Slots an engine needs for `load_table` at these levels: the largest level's clients for every mode that runs
-    side by side (`round_order`)."""
-    return max(levels) * len(round_order(0))
+    side by side (`round_order`), and one at a time's one."""
+    return max(levels) * len(round_order(0)) + 1
 
 
 def requests_at(concurrency: int, prompt_count: int, per_client: int = REQUESTS_PER_CLIENT) -> int:
@@ -223,31 +258,26 @@ def load_table(
     rounds: int = 2,
     per_client: int = REQUESTS_PER_CLIENT,
 ) -> list[dict[str, Any]]:
-    """Every mode at every concurrency level, in one process, in `rounds` rounds (one at a time once, then
-    `round_order` at each level); each row also says whether its outputs equal plain decoding's at that level (for
-    every request of every prompt, in every round) and its tok/s over the other two modes'."""
+    """Every mode at every concurrency level, in one process, in `rounds` rounds (at each level `round_order` in
+    lock step, one at a time over as many requests taking turns with them); each row also says whether its outputs
+    equal plain decoding's at that level (for every request of every prompt, in every round) and its tok/s over the
+    other two modes' at that level."""
     if slots_for(levels) > engine.pool.slots:
         raise ValueError(
             f"concurrency {max(levels)} needs {slots_for(levels)} of the engine's {engine.pool.slots} slots (DFlash and "
             "plain decoding side by side): load it with more"
         )
     requests = {concurrency: requests_at(concurrency, len(prompts), per_client) for concurrency in levels}
-    alone: LoadResult | None = None
-    batched: dict[tuple[int, str], LoadResult] = {}
-    alone_requests = max(requests.values())
+    pooled: dict[tuple[int, str], LoadResult] = {}
     for number in range(rounds):
-        alone_run = _run_with_progress(engine, prompts, max_tokens, 1, alone_requests, ("one-at-a-time",), number)
-        alone = _pooled(alone, alone_run["one-at-a-time"])
         for concurrency in levels:
-            modes = round_order(number)
-            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], modes, number)
+            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], number)
             for mode, result in results.items():
-                batched[concurrency, mode] = _pooled(batched.get((concurrency, mode)), result)
-    assert alone is not None  # rounds >= 1
+                pooled[concurrency, mode] = _pooled(pooled.get((concurrency, mode)), result)
     rows = []
     for concurrency in levels:
-        plain = batched[concurrency, "plain"]
-        for result in (batched[concurrency, "dflash"], alone, plain):
+        plain, alone = pooled[concurrency, "plain"], pooled[concurrency, "one-at-a-time"]
+        for result in (pooled[concurrency, "dflash"], alone, plain):
             row = {**result.summary(), "concurrency": concurrency, "requests_per_round": result.requests // rounds}
             row["identical_to_plain"] = result.outputs == plain.outputs and result.consistent and plain.consistent
             row["over_plain"] = row["tok_s"] / plain.summary()["tok_s"]
@@ -259,23 +289,19 @@ def load_table(
                 f"ITL p50/p99 {row['itl_ms_p50']:.1f}/{row['itl_ms_p99']:.1f} ms "
                 f"width {row['mean_verify_width']:.1f} host {row['host_share_of_step']:.1%} "
                 f"reused prompt {row['reused_prompt_share']:.0%} "
-                f"({row['requests_per_round']} requests from {result.concurrency} clients per round)",
+                f"({row['requests_per_round']} requests from {result.concurrency} client(s) per round)",
                 flush=True,
             )
     return rows
 
 
 def _run_with_progress(
-    engine: GraphEngine,
-    prompts: list[list[int]],
-    max_tokens: int,
-    concurrency: int,
-    requests: int,
-    modes: tuple[str, ...],
-    number: int,
+    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, number: int
 ) -> dict[str, LoadResult]:
-    """`run_load`, with a progress line per mode: a table's runs take minutes each."""
-    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes)
+    """Round `number` at one level (`run_load`: `round_order`, and one at a time beside them), with a progress line
+    per mode: a table's runs take minutes each."""
+    modes, first = round_order(number), number % 2 == 0
+    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes, alone_requests=requests, alone_first=first)
     for mode, result in results.items():
         print(
             f"[dflash-bench] round {number + 1}: {mode} with {concurrency} clients, {requests} requests: "

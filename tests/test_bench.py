@@ -76,9 +76,9 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
     rows = {(row["concurrency"], row["mode"]): row for row in results["rows"]}
     assert set(rows) == {(c, m) for c in (1, 2) for m in ("dflash", "one-at-a-time", "plain")}
     assert all(row["identical_to_plain"] for row in rows.values())
-    # whole passes over the 3 prompts, >= 2 per client; one at a time runs the largest level's count, once per round
+    # whole passes over the 3 prompts, >= 2 per client; one at a time beside each level runs that level's count
     assert [rows[(c, "dflash")]["requests_per_round"] for c in (1, 2)] == [3, 6]
-    assert rows[(1, "one-at-a-time")]["requests_per_round"] == 6
+    assert [rows[(c, "one-at-a-time")]["requests_per_round"] for c in (1, 2)] == [3, 6]
     for c in (1, 2):
         plain, dflash = rows[(c, "plain")], rows[(c, "dflash")]
         assert plain["over_plain"] == 1.0 and plain["mean_verify_width"] == 1.0
@@ -87,32 +87,68 @@ def test_load_table_serves_every_mode_exactly_in_alternating_rounds(tiny_repo: P
 
 
 def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each round runs one at a time once, then at each level DFlash and plain side by side, which steps first
-    alternating by round; a mode's rounds are pooled (tokens and seconds added), and a mode whose rounds disagree is
-    not reported identical to plain."""
-    order: list[tuple[str, int, int]] = []
+    """Each round runs, at each level, DFlash and plain side by side (which steps first alternating by round) with one
+    at a time over as many requests beside them (which has the first slice alternating too); a mode's rounds are
+    pooled (tokens and seconds added), each level's one at a time its own, and a mode whose rounds disagree is not
+    reported identical to plain."""
+    order: list[tuple[tuple[str, ...], int, int, int, bool]] = []
 
     def fake_run(
-        engine: object, prompts: object, max_tokens: int, concurrency: int, requests: int, modes: tuple[str, ...]
+        engine: object,
+        prompts: object,
+        max_tokens: int,
+        concurrency: int,
+        requests: int,
+        modes: tuple[str, ...],
+        alone_requests: int,
+        alone_first: bool,
     ) -> dict[str, LoadResult]:
+        order.append((modes, concurrency, requests, alone_requests, alone_first))
         results = {}
-        for mode in modes:
-            order.append((mode, concurrency, requests))
-            flaky = mode == "one-at-a-time" and len(order) > 3
-            seconds = 2.0 if mode == "dflash" else 1.0
+        for mode in (*modes, "one-at-a-time"):
+            flaky = mode == "one-at-a-time" and concurrency == 8 and len(order) > 2
+            seconds = {"dflash": 2.0, "plain": 1.0, "one-at-a-time": 8.0 if concurrency == 8 else 4.0}[mode]
             results[mode] = LoadResult(mode, concurrency, requests, 100, seconds, outputs={0: [2 if flaky else 1]})
         return results
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
-    engine = SimpleNamespace(pool=SimpleNamespace(slots=16))
+    engine = SimpleNamespace(pool=SimpleNamespace(slots=17))
     rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2)  # type: ignore[arg-type]
     assert order == [
-        ("one-at-a-time", 1, 32), ("dflash", 1, 4), ("plain", 1, 4), ("dflash", 8, 32), ("plain", 8, 32),
-        ("one-at-a-time", 1, 32), ("plain", 1, 4), ("dflash", 1, 4), ("plain", 8, 32), ("dflash", 8, 32),
+        (("dflash", "plain"), 1, 4, 4, True), (("dflash", "plain"), 8, 32, 32, True),
+        (("plain", "dflash"), 1, 4, 4, False), (("plain", "dflash"), 8, 32, 32, False),
     ]  # fmt: skip
     by_mode = {(row["concurrency"], row["mode"]): row for row in rows}
     assert by_mode[8, "dflash"]["tok_s"] == 50.0 and by_mode[8, "plain"]["tok_s"] == 100.0  # 200 tokens in 4 s, in 2 s
+    assert by_mode[8, "dflash"]["over_one_at_a_time"] == 4.0 and by_mode[1, "dflash"]["over_one_at_a_time"] == 2.0
     assert by_mode[8, "dflash"]["identical_to_plain"] and not by_mode[8, "one-at-a-time"]["identical_to_plain"]
+    assert by_mode[1, "one-at-a-time"]["identical_to_plain"]
+    with pytest.raises(ValueError, match="concurrency 8 needs 17 of the engine's 16 slots"):
+        load_bench.load_table(SimpleNamespace(pool=SimpleNamespace(slots=16)), [[1]], 8, [1, 8])  # type: ignore[arg-type]
+
+
+def test_one_at_a_time_takes_turns_with_a_level_in_slices(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One at a time beside a level's pair: the two sides take turns in slices (the one behind in its share of
+    requests finished goes next), so both run over the same minutes, each on its own clock, and both finish."""
+    engine, _ = load_engine(tiny_repo, threads=2, max_batch=5)
+    turns: list[str] = []
+    step = load_bench._ClosedLoop.step
+
+    def recorded(loop: load_bench._ClosedLoop) -> None:
+        if not turns or turns[-1] != loop.result.mode:
+            turns.append(loop.result.mode)
+        step(loop)
+
+    monkeypatch.setattr(load_bench._ClosedLoop, "step", recorded)
+    monkeypatch.setattr(load_bench, "SLICE_SECONDS", 0.05)
+    results = load_bench.run_load(engine, [[5, 6, 7], [8, 9]], 16, 2, 8, ("dflash", "plain"), alone_requests=8)
+    assert {r.mode: r.tokens for r in results.values()} == {"dflash": 8 * 16, "plain": 8 * 16, "one-at-a-time": 8 * 16}
+    assert results["one-at-a-time"].outputs == results["plain"].outputs
+    switches = sum(1 for a, b in zip(turns, turns[1:]) if "one-at-a-time" in (a, b))
+    assert turns[0] == "one-at-a-time" and switches >= 4, turns
+    assert engine.pool.free_slots == 5
+    with pytest.raises(ValueError, match="2 modes x 2 clients and one at a time need 5 slots; the engine has 4"):
+        load_bench.run_load(load_engine(tiny_repo, max_batch=4)[0], [[5]], 4, 2, 2, ("dflash", "plain"), alone_requests=2)
 
 
 def test_modes_run_side_by_side_each_on_its_own_clock(tiny_repo: Path) -> None:

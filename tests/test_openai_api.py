@@ -63,7 +63,8 @@ def test_completions_equal_the_engine_streaming_or_not(client: openai.OpenAI, ch
 
 
 def test_chat_applies_the_template_and_equals_dflash_client(client: openai.OpenAI, triton: Ports) -> None:
-    """The ensemble applies the same template to dflash-client's prompt."""
+    """The ensemble applies the same template to dflash-client's prompt; usage reports the prompt tokens reused
+    (OpenAI's `prompt_tokens_details.cached_tokens`)."""
     expected = "".join(r["text"] for r in stream_text(f"localhost:{triton.grpc}", PROMPT, Request(20)))
     messages = [{"role": "user", "content": PROMPT}]
     whole = client.chat.completions.create(model="", messages=messages, max_tokens=20, temperature=0)  # type: ignore[arg-type]
@@ -79,6 +80,8 @@ def test_chat_applies_the_template_and_equals_dflash_client(client: openai.OpenA
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    details = chunks[-1].usage.prompt_tokens_details  # the same conversation again: all but its last token reused
+    assert details is not None and details.cached_tokens == chunks[-1].usage.prompt_tokens - 1
 
 
 def test_stop_strings_are_cut_from_the_text(client: openai.OpenAI) -> None:

@@ -170,16 +170,19 @@ def test_32_concurrent_mixed_clients_each_get_what_they_get_alone(server: Server
 
 def test_a_shared_prompt_head_is_prefilled_once_and_counted(server: Server, tiny_repo: Path) -> None:
     """Two requests with the same 20-token head, one after the other: the second prefills only its own tail (the
-    reused-prompt-token counter grows by the head) and both get what in-process decoding without reuse gives."""
+    reused-prompt-token counter grows by the head, and its responses say so) and both get what in-process decoding
+    without reuse gives."""
     engine, _ = load_engine(tiny_repo, reuse_prefixes=False)
     head = np.random.default_rng(77).integers(1, 90, 20).tolist()
     prompts = [head + [11, 12, 13], head + [40]]
     expected = [generate(engine, prompt, MAX_TOKENS).tokens for prompt in prompts]
-    served = []
+    served, reported = [], []
     for prompt in prompts:
         before = _metric(server, "dflash_reused_prompt_tokens_total")
-        served.append([t for r in stream_tokens(server.grpc, prompt, Request(MAX_TOKENS)) for t in r["tokens"]])
-    assert _metric(server, "dflash_reused_prompt_tokens_total") - before == len(head)
+        responses = list(stream_tokens(server.grpc, prompt, Request(MAX_TOKENS)))
+        served.append([t for r in responses for t in r["tokens"]])
+        reported.append(responses[-1]["reused_prompt_tokens"])
+    assert _metric(server, "dflash_reused_prompt_tokens_total") - before == len(head) == reported[1]
     assert served == expected
 
 

@@ -329,6 +329,7 @@ class TritonPythonModel:
             "acceptance_rate": np.asarray([[stats.acceptance_rate]], dtype=np.float32),
             "total_steps": np.asarray([[stats.steps]], dtype=np.int64),
             "total_output_tokens": np.asarray([[len(sequence.tokens)]], dtype=np.int64),
+            "reused_prompt_tokens": np.asarray([[stats.reused_prompt_tokens]], dtype=np.int64),
         }
         tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items() if name in client.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)

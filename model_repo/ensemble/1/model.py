@@ -31,9 +31,12 @@ from transformers import AutoTokenizer
 WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
 BLS_GRACE_SECONDS = 10.0  # how long a BLS call's responses are kept once it ended (see `HeldCalls`)
 FORWARDED = ("max_tokens", "temperature", "top_k", "top_p", "random_seed", "end_id", "stop_words")
-STATS = ("total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens")
+STATS = (
+    "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate", "total_steps", "total_output_tokens",
+    "reused_prompt_tokens",  # of the prompt's tokens, those whose rows a slot held (prompt prefix reuse)
+)  # fmt: skip
 STAT_DTYPES = {name: np.float32 if name == "acceptance_rate" else np.int64 for name in STATS}  # as config.pbtxt says
-NOT_REPORTED = -1  # a statistic the engine model does not report (llmapi: total_steps, total_output_tokens)
+NOT_REPORTED = -1  # a statistic the engine model does not report (llmapi: total_steps, total_output_tokens, reused_...)
 # llmapi (TensorRT-LLM's Triton model): our input -> (its input, its dtype); its inputs are [1] (max_batch_size 0)
 LLMAPI_INPUTS = {
     "max_tokens": ("sampling_param_max_tokens", np.int32),

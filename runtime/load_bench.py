@@ -304,7 +304,7 @@ def _run_with_progress(
     results = run_load(engine, prompts, max_tokens, concurrency, requests, modes, alone_requests=requests, alone_first=first)
     for mode, result in results.items():
         print(
-            f"[dflash-bench] round {number + 1}: {mode} with {concurrency} clients, {requests} requests: "
+            f"[dflash-bench] round {number + 1}: {mode} with {result.concurrency} client(s), {result.requests} requests: "
             f"{result.tokens / result.seconds:.1f} tok/s over {result.seconds:.0f} s of its own steps",
             flush=True,
         )

@@ -265,7 +265,7 @@ def load_table(
     if slots_for(levels) > engine.pool.slots:
         raise ValueError(
             f"concurrency {max(levels)} needs {slots_for(levels)} of the engine's {engine.pool.slots} slots (DFlash and "
-            "plain decoding side by side): load it with more"
+            "plain decoding side by side, and one at a time): load it with more"
         )
     requests = {concurrency: requests_at(concurrency, len(prompts), per_client) for concurrency in levels}
     pooled: dict[tuple[int, str], LoadResult] = {}

@@ -3,6 +3,7 @@ transformers on the same pair and prompts; its statistics add up; bad options ge
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -144,7 +145,7 @@ def test_one_at_a_time_takes_turns_with_a_level_in_slices(tiny_repo: Path, monke
     results = load_bench.run_load(engine, [[5, 6, 7], [8, 9]], 16, 2, 8, ("dflash", "plain"), alone_requests=8)
     assert {r.mode: r.tokens for r in results.values()} == {"dflash": 8 * 16, "plain": 8 * 16, "one-at-a-time": 8 * 16}
     assert results["one-at-a-time"].outputs == results["plain"].outputs
-    switches = sum(1 for a, b in zip(turns, turns[1:]) if "one-at-a-time" in (a, b))
+    switches = sum(1 for a, b in itertools.pairwise(turns) if "one-at-a-time" in (a, b))
     assert turns[0] == "one-at-a-time" and switches >= 4, turns
     assert engine.pool.free_slots == 5
     with pytest.raises(ValueError, match="2 modes x 2 clients and one at a time need 5 slots; the engine has 4"):

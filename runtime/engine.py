@@ -146,13 +146,7 @@ class GraphEngine:
         """A prompt's tokens from position `start` on into pool slot `slot` -> its first token (target_tokens[:, 0])
         and first draft block. Rows < start of the slot must hold the prompt's first `start` tokens' states (a
         reused prefix, `copy_prefix`), and on targets with recurrent states the slot's sequence must end there."""
-        if start > self.prefixes.held(slot):
-            raise ValueError(f"start={start}: slot {slot} holds the rows of {self.prefixes.held(slot)} prompt tokens")
-        if start and self.recurrent and self.prefixes.end(slot) != start:
-            raise ValueError(
-                f"start={start}: slot {slot}'s recurrent states have taken in {self.prefixes.end(slot)} tokens, not "
-                f"{start}: this target continues only a slot's whole sequence (prefill from start=0 instead)"
-            )
+        self.prefixes.check_start(slot, start)
         inputs = {
             "input_ids": torch.tensor([tokens], dtype=torch.long),
             "start": torch.tensor([start]),
@@ -164,8 +158,7 @@ class GraphEngine:
         }
         out = self.runner.run("prefill", {k: v for k, v in inputs.items() if k in self._input_names["prefill"]})
         self._write_rows(out, torch.tensor([slot]), start + torch.arange(len(tokens))[None, :])
-        self.prefixes.written(slot, start, start + len(tokens))
-        self.prefixes.extend(slot, start, tokens)
+        self.prefixes.prefilled(slot, start, tokens)
         end = torch.tensor([start + len(tokens)])
         return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], end)
 

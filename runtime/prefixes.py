@@ -66,6 +66,23 @@ class SlotPrefixes:
         """How many tokens the states of `slot`'s sequence have taken in (its next position)."""
         return self._ends.get(slot, 0)
 
+    def check_start(self, slot: int, start: int) -> None:
+        """Raise ValueError unless a prefill of `slot` may start at `start`: its rows hold that many tokens and, with
+        `whole`, its states end there."""
+        if start > self.held(slot):
+            raise ValueError(f"start={start}: slot {slot} holds the rows of {self.held(slot)} prompt tokens")
+        if start and self.whole and self.end(slot) != start:
+            raise ValueError(
+                f"start={start}: slot {slot}'s recurrent states have taken in {self.end(slot)} tokens, not {start}: "
+                "this target continues only a slot's whole sequence (prefill from start=0 instead)"
+            )
+
+    def prefilled(self, slot: int, start: int, tokens: list[int]) -> None:
+        """A prefill wrote the rows of `tokens` at positions start.. of `slot`: it holds them, and its states end
+        after them."""
+        self.written(slot, start, start + len(tokens))
+        self.extend(slot, start, tokens)
+
     def written(self, slot: int, first_position: int, end: int) -> None:
         """A graph call wrote rows of `slot` from `first_position` on, and its sequence now ends at `end`: held rows
         from there on hold something else now."""

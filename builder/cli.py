@@ -54,6 +54,7 @@ from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, llm_a
 from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
+from dflash_trt.runtime.scheduler import PREFILL_CHUNK
 from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -245,6 +246,7 @@ def build(args: argparse.Namespace) -> Path | None:
         "apply_chat_template": "false" if args.no_chat_template else "true",
         "max_batch_size": str(spec.max_batch_size),
         "engine_model": "dflash",
+        "prefill_chunk_tokens": str(PREFILL_CHUNK),
     }
     print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
     hashes = {"target": checkpoint_hashes(target_dir), "drafter": checkpoint_hashes(drafter_dir)}

@@ -36,7 +36,7 @@ from dflash_trt.runtime.loop import Generation, generate, generate_plain
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
-from dflash_trt.runtime.scheduler import AdaptiveVerify, FixedVerify, VerifyPolicy
+from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, FixedVerify, VerifyPolicy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -285,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         help="with --concurrency: about this many requests from each client per run, in whole passes over the "
         f"prompts (default {REQUESTS_PER_CLIENT}: the batch stays full for most of the run instead of draining)",
     )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help="with --concurrency: prompt tokens prefilled between two steps while other requests generate, as the "
+        f"served model's prefill_chunk_tokens (default {PREFILL_CHUNK}; 0: each prompt whole)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
@@ -294,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: run at least one round")
     if args.requests_per_client < 1:
         parser.error(f"--requests-per-client {args.requests_per_client}: each client sends at least one request")
+    if args.prefill_chunk < 0:
+        parser.error(f"--prefill-chunk {args.prefill_chunk}: give prompt tokens per step, or 0 to prefill whole prompts")
     repository = read_repository_manifest(args.repo) if (args.repo / MANIFEST).is_file() else {}
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy = args.temperature == 0
 
     if levels:
-        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, args.requests_per_client)
+        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, args.requests_per_client, args.prefill_chunk)
         if args.json:
             settings = {
                 "threads": args.threads,
@@ -328,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 "prompts": len(prompts),
                 "rounds": args.rounds,
                 "requests_per_client": args.requests_per_client,
+                "prefill_chunk": args.prefill_chunk,
             }
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0

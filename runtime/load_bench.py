@@ -125,12 +125,19 @@ class _ClosedLoop:
     its own clock (the seconds of its own steps), so modes stepping in turn each measure what they would alone."""
 
     def __init__(
-        self, engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, mode: str
+        self,
+        engine: GraphEngine,
+        prompts: list[list[int]],
+        max_tokens: int,
+        concurrency: int,
+        requests: int,
+        mode: str,
+        prefill_chunk: int = 0,
     ) -> None:
         self.prompts, self.max_tokens = prompts, max_tokens
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
         policy, max_active = policy_for(mode, engine, concurrency)
-        self.scheduler = Scheduler(engine, policy, max_active)
+        self.scheduler = Scheduler(engine, policy, max_active, prefill_chunk)
         self.run = next(_RUNS)
         self.pending = deque(range(requests))
         # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
@@ -194,22 +201,24 @@ def run_load(
     modes: tuple[str, ...],
     alone_requests: int = 0,
     alone_first: bool = True,
+    prefill_chunk: int = 0,
 ) -> dict[str, LoadResult]:
     """For each mode, `requests` greedy requests over `concurrency` closed-loop clients (prompts taken in turn), the
     modes' schedulers on their own slots of one engine, stepping in turn, each timed on its own clock: a machine
     whose speed drifts weighs on every mode alike (this 2-core CPU's speed moves by up to 18% between back-to-back
     one-minute runs, more than the differences measured). With `alone_requests`, one at a time over that many
-    requests too, taking turns with them in slices (`take_turns`; `alone_first`: it has the first slice)."""
+    requests too, taking turns with them in slices (`take_turns`; `alone_first`: it has the first slice). Every
+    scheduler prefills `prefill_chunk` prompt tokens per step while others generate (`Scheduler`)."""
     needed = concurrency * len(modes) + (1 if alone_requests else 0)
     if needed > engine.pool.slots:
         raise ValueError(
             f"{len(modes)} modes x {concurrency} clients{' and one at a time' if alone_requests else ''} need {needed} "
             f"slots; the engine has {engine.pool.slots}: load it with more"
         )
-    loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode) for mode in modes]
+    loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode, prefill_chunk) for mode in modes]
     groups = [loops]
     if alone_requests:
-        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time")]
+        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", prefill_chunk)]
         groups = [alone, loops] if alone_first else [loops, alone]
     take_turns(groups, SLICE_SECONDS if alone_requests else float("inf"))
     return {loop.result.mode: loop.result for group in groups for loop in group}
@@ -257,6 +266,7 @@ def load_table(
     levels: list[int],
     rounds: int = 2,
     per_client: int = REQUESTS_PER_CLIENT,
+    prefill_chunk: int = 0,
 ) -> list[dict[str, Any]]:
     """Every mode at every concurrency level, in one process, in `rounds` rounds (at each level `round_order` in
     lock step, one at a time over as many requests taking turns with them); each row also says whether its outputs
@@ -271,7 +281,7 @@ def load_table(
     pooled: dict[tuple[int, str], LoadResult] = {}
     for number in range(rounds):
         for concurrency in levels:
-            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], number)
+            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], number, prefill_chunk)
             for mode, result in results.items():
                 pooled[concurrency, mode] = _pooled(pooled.get((concurrency, mode)), result)
     rows = []
@@ -296,12 +306,18 @@ def load_table(
 
 
 def _run_with_progress(
-    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, concurrency: int, requests: int, number: int
+    engine: GraphEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    concurrency: int,
+    requests: int,
+    number: int,
+    prefill_chunk: int,
 ) -> dict[str, LoadResult]:
     """Round `number` at one level (`run_load`: `round_order`, and one at a time beside them), with a progress line
     per mode: a table's runs take minutes each."""
     modes, first = round_order(number), number % 2 == 0
-    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes, alone_requests=requests, alone_first=first)
+    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes, requests, first, prefill_chunk)
     for mode, result in results.items():
         print(
             f"[dflash-bench] round {number + 1}: {mode} with {result.concurrency} client(s), {result.requests} requests: "

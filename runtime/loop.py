@@ -133,6 +133,7 @@ class Sequence:
     prefix_scope: Hashable = None  # reuses rows only of prompts of the same scope (`GraphEngine.acquire`)
     tokens: list[int] = field(default_factory=list)  # generated so far
     slot: int = -1
+    prefill_end: int = 0  # prompt tokens whose rows its slot holds (a prompt may be prefilled in chunks)
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [last token, drafts...]
     start: int = 0  # position of block[0]
     uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # one per generated token
@@ -143,6 +144,11 @@ class Sequence:
         validate_request(self.prompt, self.max_new_tokens, engine, self.sampling)
         self.stop.validate()
         self.uniforms = self.sampling.uniforms(self.max_new_tokens + engine.block_size)
+
+    @property
+    def prefilled(self) -> bool:
+        """Its whole prompt is in its slot: it has its first token and generates."""
+        return self.prefill_end == len(self.prompt)
 
     @property
     def drafts(self) -> int:

@@ -1,7 +1,10 @@
 """In-flight batching: admit sequences into pool slots, run one batched step for all of them, retire them at once.
 
 Each `Scheduler.step()`:
-1. admits waiting sequences while slots are free (prefill, one prompt at a time, joining the running batch);
+1. admits waiting sequences while slots are free (prefill, one prompt at a time, joining the running batch); while
+   others are generating, at most `prefill_chunk` prompt tokens per step, so a long prompt is prefilled in chunks
+   over several steps (each continuing the slot's rows where the last ended) and no stream waits for a whole
+   prompt's prefill between two of its tokens;
 2. asks the verify policy how many drafted tokens to verify (k, the same for every row; 0 = plain decoding)
    and runs one graph call for every active sequence: `step` (verify 1 + k tokens, draft the next block) or
    `verify` (verify without drafting, when the policy expects not to use drafts next time);
@@ -14,6 +17,7 @@ uniforms are indexed by generated-token number, not by step.
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
 from dflash_trt.runtime.sampling import SamplingTensors
 
 CALIBRATED_DRAFTS = 3  # above batch 1, `AdaptiveVerify.calibrate` times steps of 1 .. this many drafts
+PREFILL_CHUNK = 128  # serving's prompt tokens prefilled between two steps while others generate (see Scheduler)
 
 
 class VerifyPolicy(Protocol):
@@ -374,9 +379,14 @@ def time_call(engine: GraphEngine, graph: str, batch: int, width: int, drafts: i
 class Scheduler:
     """Sequences in, one batched step at a time; see the module docstring."""
 
-    def __init__(self, engine: GraphEngine, policy: VerifyPolicy | None = None, max_active: int | None = None) -> None:
+    def __init__(
+        self, engine: GraphEngine, policy: VerifyPolicy | None = None, max_active: int | None = None, prefill_chunk: int = 0
+    ) -> None:
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={prefill_chunk}: give the prompt tokens to prefill per step, or 0 for whole prompts")
         self.engine = engine
         self.max_active = max_active or engine.pool.slots  # 1: serve one request at a time
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled per step while others generate; 0: whole prompts
         self.policy: VerifyPolicy = policy or FixedVerify(engine.block_size - 1)
         self.waiting: deque[Sequence] = deque()
         self.active: list[Sequence] = []
@@ -419,22 +429,41 @@ class Scheduler:
         return _by_sequence(emitted)
 
     def _admit(self) -> list[tuple[Sequence, list[int]]]:
+        """Prefill: first the rest of a prompt prefilled in part, then waiting prompts in free slots, within this
+        step's budget of prompt tokens (`prefill_chunk` while others generate, else unlimited)."""
         emitted = []
-        while self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active:
-            sequence = self.waiting.popleft()
-            sequence.began = time.perf_counter()
-            sequence.slot, reused = self.engine.acquire(sequence.prompt, sequence.prefix_scope)  # holds prompt[:reused]
-            sequence.stats.reused_prompt_tokens = reused
-            uniform = float(sequence.uniforms[0])
-            out = self.engine.prefill(sequence.slot, sequence.prompt[reused:], uniform, sequence.sampling, reused)
-            self.last_prefill_seconds += time.perf_counter() - sequence.began
-            self.active.append(sequence)
-            block, start = out.next_block[0].numpy(), int(out.next_start[0])
-            emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
+        budget = self.prefill_chunk if self.prefill_chunk and self._generating() else sys.maxsize
+        while budget > 0:
+            began = time.perf_counter()
+            sequence = next((s for s in self.active if not s.prefilled), None) or self._take_waiting()
+            if sequence is None:
+                break
+            first = sequence.prefill_end
+            chunk = sequence.prompt[first : first + budget]
+            out = self.engine.prefill(sequence.slot, chunk, float(sequence.uniforms[0]), sequence.sampling, first)
+            self.last_prefill_seconds += time.perf_counter() - began
+            sequence.prefill_end, budget = first + len(chunk), budget - len(chunk)
+            if sequence.prefilled:  # the last chunk's logits give the first token
+                block, start = out.next_block[0].numpy(), int(out.next_start[0])
+                emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
         return emitted
 
+    def _take_waiting(self) -> Sequence | None:
+        """The next waiting sequence, in a slot of its own (holding what prefix of its prompt it can), or None."""
+        if not (self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active):
+            return None
+        sequence = self.waiting.popleft()
+        sequence.began = time.perf_counter()
+        sequence.slot, reused = self.engine.acquire(sequence.prompt, sequence.prefix_scope)  # holds prompt[:reused]
+        sequence.stats.reused_prompt_tokens = sequence.prefill_end = reused
+        self.active.append(sequence)
+        return sequence
+
+    def _generating(self) -> bool:
+        return any(s.prefilled and not s.finished for s in self.active)
+
     def _batched_step(self) -> list[tuple[Sequence, list[int]]]:
-        rows = [s for s in self.active if not s.finished]
+        rows = [s for s in self.active if s.prefilled and not s.finished]
         if not rows:
             return []
         wanted = self.policy.choose(len(rows))
@@ -468,7 +497,7 @@ class Scheduler:
 
     def _retire(self, sequence: Sequence) -> None:
         self.active.remove(sequence)
-        if WRITES[self.policy.graph_when_idle] == WRITES["step"]:
+        if sequence.prefilled and WRITES[self.policy.graph_when_idle] == WRITES["step"]:
             # Every state's rows of every token before the next block's start are in the slot: a later prompt that
             # continues this conversation starts after them. (Plain decoding's `decode` leaves the drafter's unwritten.)
             answer = sequence.tokens[: sequence.start - len(sequence.prompt)]

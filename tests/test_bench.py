@@ -103,7 +103,9 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
         modes: tuple[str, ...],
         alone_requests: int,
         alone_first: bool,
+        prefill_chunk: int,
     ) -> dict[str, LoadResult]:
+        assert prefill_chunk == 0
         order.append((modes, concurrency, requests, alone_requests, alone_first))
         results = {}
         for mode in (*modes, "one-at-a-time"):

@@ -127,3 +127,44 @@ def test_a_prefill_past_the_rows_a_slot_holds_is_refused(engine: GraphEngine) ->
             engine.prefill(slot, [1, 2], 0.0, SamplingParams(), start=5)
     finally:
         engine.pool.release(slot)
+
+
+def test_a_prompt_prefilled_in_chunks_while_others_generate_keeps_outputs_exact(engine: GraphEngine) -> None:
+    """With `prefill_chunk`, a prompt admitted while another sequence generates is prefilled a chunk per step (each
+    chunk continuing the slot's rows where the last ended) and the running stream gets tokens at every one of those
+    steps; the outputs (greedy and seeded sampling) equal each request served alone, and a request cancelled
+    halfway through its prefill frees its slot."""
+    with pytest.raises(ValueError, match="prefill_chunk=-1"):
+        Scheduler(engine, prefill_chunk=-1)
+    engine.reuse_prefixes = False
+    running = Sequence(SYSTEM + [1, 2], 3 * NEW_TOKENS)
+    late = [
+        Sequence(SYSTEM + [50 + i for i in range(17)], NEW_TOKENS),
+        Sequence(SYSTEM + [80, 81], NEW_TOKENS, SamplingParams(temperature=0.9, seed=5)),
+    ]
+    alone = [generate(engine, s.prompt, s.max_new_tokens, s.sampling).tokens for s in (running, *late)]
+    scheduler = Scheduler(engine, prefill_chunk=8)
+    scheduler.submit(running)
+    scheduler.step()  # nothing else generates: the whole prompt at once
+    assert running.prefilled and running.tokens
+    for sequence in late:
+        scheduler.submit(sequence)
+    ends = []
+    while not all(s.prefilled for s in late):
+        before = len(running.tokens)
+        scheduler.step()
+        assert len(running.tokens) > before, "the running stream gets a token at every step of a chunked prefill"
+        ends.append([s.prefill_end for s in late])
+    assert ends == [[8, 0], [16, 0], [24, 0], [32, 0], [35, 5], [35, 13], [35, 20]]  # 8 prompt tokens per step
+    while scheduler.busy:
+        scheduler.step()
+    assert [s.tokens for s in (running, *late)] == alone
+    cancelled = Sequence(SYSTEM * 2, NEW_TOKENS)
+    scheduler.submit(Sequence(SYSTEM, 4 * NEW_TOKENS))
+    scheduler.step()
+    scheduler.submit(cancelled)
+    scheduler.step()
+    assert 0 < cancelled.prefill_end < len(cancelled.prompt)
+    scheduler.cancel(cancelled)
+    assert cancelled.slot == -1 and engine.pool.free_slots == engine.pool.slots - 1
+    engine.reuse_prefixes = True

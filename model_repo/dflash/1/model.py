@@ -28,12 +28,26 @@ from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import Sequence, StopCriteria
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
-from dflash_trt.runtime.scheduler import AdaptiveVerify, Scheduler
+from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, Scheduler
 from transformers import AutoTokenizer
 
 IDLE_WAIT_SECONDS = 0.5  # how long the serving thread sleeps on an empty queue before looking again
 STEP_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 QUEUE_BUCKETS = [0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0]
+
+
+def _parameter(params: dict[str, dict[str, str]], key: str, default: str) -> str:
+    """A `parameters` entry of config.pbtxt (its string_value), or `default` where the config has none."""
+    return params.get(key, {}).get("string_value", default)
+
+
+def _prefill_chunk(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"prefill_chunk_tokens={value!r} in config.pbtxt: give the prompt tokens to prefill between two steps (e.g. "
+            f"{PREFILL_CHUNK}), or set enable_chunked_context to false to prefill whole prompts"
+        )
+    return int(value)
 
 
 def _scalar(request: object, name: str, default: object) -> object:
@@ -130,13 +144,15 @@ class TritonPythonModel:
         params = json.loads(args["model_config"])["parameters"]
         version_dir = Path(args["model_repository"]) / args["model_version"]
         root = Path(args["model_repository"]).parent
-        reuse = params.get("enable_kv_cache_reuse", {}).get("string_value", "true").lower() == "true"
+        reuse = _parameter(params, "enable_kv_cache_reuse", "true").lower() == "true"
+        chunked = _parameter(params, "enable_chunked_context", "true").lower() == "true"
+        chunk = _prefill_chunk(_parameter(params, "prefill_chunk_tokens", str(PREFILL_CHUNK))) if chunked else 0
         self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"], reuse_prefixes=reuse)
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.eos_ids = tuple(self.manifest["eos_token_ids"])
         policy = AdaptiveVerify(self.engine.block_size)
         policy.calibrate(self.engine)
-        self.scheduler = Scheduler(self.engine, policy)
+        self.scheduler = Scheduler(self.engine, policy, prefill_chunk=chunk)
         self.metrics = Metrics()
         self.inbox: queue.Queue[Client | Stop] = queue.Queue()  # in arrival order: a stop never overtakes its request
         self.clients: dict[int, Client] = {}  # id(sequence) -> client

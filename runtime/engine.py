@@ -142,6 +142,10 @@ class GraphEngine:
             self.copy_prefix(donor, slot, shared)
         return slot, shared
 
+    def reusable(self, prompt: list[int], scope: Hashable = None) -> int:
+        """How many leading tokens of `prompt` `acquire` would find in a slot now (0 with reuse off)."""
+        return self.prefixes.longest(prompt, scope)[1] if self.reuse_prefixes else 0
+
     def prefill(self, slot: int, tokens: list[int], uniform: float, sampling: SamplingParams, start: int = 0) -> StepResult:
         """A prompt's tokens from position `start` on into pool slot `slot` -> its first token (target_tokens[:, 0])
         and first draft block. Rows < start of the slot must hold the prompt's first `start` tokens' states (a

@@ -430,12 +430,16 @@ class Scheduler:
 
     def _admit(self) -> list[tuple[Sequence, list[int]]]:
         """Prefill: first the rest of a prompt prefilled in part, then waiting prompts in free slots, within this
-        step's budget of prompt tokens (`prefill_chunk` while others generate, else unlimited)."""
+        step's budget of prompt tokens (`prefill_chunk` while others generate, else unlimited). Once a chunk has run,
+        a waiting prompt starts only if all of it fits in what is left: split there, its first chunk would be an
+        extra graph call for a prompt that completes in the next step either way."""
         emitted = []
         budget = self.prefill_chunk if self.prefill_chunk and self._generating() else sys.maxsize
+        whole = budget
         while budget > 0:
             began = time.perf_counter()
-            sequence = next((s for s in self.active if not s.prefilled), None) or self._take_waiting()
+            fitting = budget if budget < whole else 0  # 0: no chunk has run yet, any prompt may start
+            sequence = next((s for s in self.active if not s.prefilled), None) or self._take_waiting(fitting)
             if sequence is None:
                 break
             first = sequence.prefill_end
@@ -448,9 +452,13 @@ class Scheduler:
                 emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
         return emitted
 
-    def _take_waiting(self) -> Sequence | None:
-        """The next waiting sequence, in a slot of its own (holding what prefix of its prompt it can), or None."""
+    def _take_waiting(self, fitting: int = 0) -> Sequence | None:
+        """The next waiting sequence, in a slot of its own (holding what prefix of its prompt it can), or None; with
+        `fitting`, only if at most that many of its prompt tokens are left to prefill."""
         if not (self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active):
+            return None
+        head = self.waiting[0]
+        if fitting and len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope) > fitting:
             return None
         sequence = self.waiting.popleft()
         sequence.began = time.perf_counter()

@@ -104,7 +104,7 @@ class Metrics:
         "reused": ("dflash_reused_prompt_tokens_total", "Prompt tokens whose rows were reused, not prefilled", "COUNTER"),
         # The three gauges of the Gateway API Inference Extension's model-server protocol (queued, running, KV
         # usage), which autoscalers and gateways read: Triton's own queue metrics stop at execute()'s hand-off.
-        "running": ("dflash_running_requests", "Requests generating in the running batch", "GAUGE"),
+        "running": ("dflash_running_requests", "Requests holding a slot (generating, or prefilling in chunks)", "GAUGE"),
         "waiting": ("dflash_waiting_requests", "Requests received and waiting for a slot", "GAUGE"),
         "slot_usage": ("dflash_slot_usage_ratio", "Fraction of state-pool (KV) slots in use, 0 to 1", "GAUGE"),
         "free_slots": ("dflash_free_slots", "Free state-pool slots", "GAUGE"),

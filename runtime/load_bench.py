@@ -226,8 +226,8 @@ def run_load(
 
 def take_turns(groups: list[list[_ClosedLoop]], slice_seconds: float) -> None:
     """Run every group's loops to the end: a group's loops step in turn (lock step), and groups take turns in slices
-    of about `slice_seconds` of wall time, the next slice going to the group furthest behind in its share of requests
-    finished (the first listed on a tie)."""
+    of about `slice_seconds` of wall time (at least one step each), the next slice going to the group furthest behind
+    in its share of requests finished (the first listed on a tie)."""
 
     def busy(group: list[_ClosedLoop]) -> bool:
         return any(loop.scheduler.busy for loop in group)
@@ -235,10 +235,12 @@ def take_turns(groups: list[list[_ClosedLoop]], slice_seconds: float) -> None:
     while any(busy(group) for group in groups):
         group = min((g for g in groups if busy(g)), key=lambda g: min(loop.finished_share for loop in g))
         began = time.perf_counter()
-        while busy(group) and time.perf_counter() - began < slice_seconds:
+        while True:
             for loop in group:
                 if loop.scheduler.busy:
                     loop.step()
+            if not busy(group) or time.perf_counter() - began >= slice_seconds:
+                break
 
 
 def round_order(number: int) -> tuple[str, ...]:

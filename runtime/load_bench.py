@@ -132,7 +132,7 @@ class _ClosedLoop:
         concurrency: int,
         requests: int,
         mode: str,
-        prefill_chunk: int = 0,
+        prefill_chunk: int,
     ) -> None:
         self.prompts, self.max_tokens = prompts, max_tokens
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
@@ -319,7 +319,17 @@ def _run_with_progress(
     """Round `number` at one level (`run_load`: `round_order`, and one at a time beside them), with a progress line
     per mode: a table's runs take minutes each."""
     modes, first = round_order(number), number % 2 == 0
-    results = run_load(engine, prompts, max_tokens, concurrency, requests, modes, requests, first, prefill_chunk)
+    results = run_load(
+        engine,
+        prompts,
+        max_tokens,
+        concurrency,
+        requests,
+        modes,
+        alone_requests=requests,
+        alone_first=first,
+        prefill_chunk=prefill_chunk,
+    )
     for mode, result in results.items():
         print(
             f"[dflash-bench] round {number + 1}: {mode} with {result.concurrency} client(s), {result.requests} requests: "

@@ -435,10 +435,9 @@ class Scheduler:
         extra graph call for a prompt that completes in the next step either way."""
         emitted = []
         budget = self.prefill_chunk if self.prefill_chunk and self._generating() else sys.maxsize
-        whole = budget
+        fitting: int | None = None  # once a chunk has run: the most prompt tokens a waiting prompt may have left
         while budget > 0:
             began = time.perf_counter()
-            fitting = budget if budget < whole else 0  # 0: no chunk has run yet, any prompt may start
             sequence = next((s for s in self.active if not s.prefilled), None) or self._take_waiting(fitting)
             if sequence is None:
                 break
@@ -447,18 +446,19 @@ class Scheduler:
             out = self.engine.prefill(sequence.slot, chunk, float(sequence.uniforms[0]), sequence.sampling, first)
             self.last_prefill_seconds += time.perf_counter() - began
             sequence.prefill_end, budget = first + len(chunk), budget - len(chunk)
+            fitting = budget
             if sequence.prefilled:  # the last chunk's logits give the first token
                 block, start = out.next_block[0].numpy(), int(out.next_start[0])
                 emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
         return emitted
 
-    def _take_waiting(self, fitting: int = 0) -> Sequence | None:
+    def _take_waiting(self, fitting: int | None) -> Sequence | None:
         """The next waiting sequence, in a slot of its own (holding what prefix of its prompt it can), or None; with
         `fitting`, only if at most that many of its prompt tokens are left to prefill."""
         if not (self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active):
             return None
         head = self.waiting[0]
-        if fitting and len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope) > fitting:
+        if fitting is not None and len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope) > fitting:
             return None
         sequence = self.waiting.popleft()
         sequence.began = time.perf_counter()

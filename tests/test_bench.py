@@ -105,7 +105,7 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
         alone_first: bool,
         prefill_chunk: int,
     ) -> dict[str, LoadResult]:
-        assert prefill_chunk == 0
+        assert prefill_chunk == 64  # the table's setting reaches every run
         order.append((modes, concurrency, requests, alone_requests, alone_first))
         results = {}
         for mode in (*modes, "one-at-a-time"):
@@ -116,7 +116,7 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
     engine = SimpleNamespace(pool=SimpleNamespace(slots=17))
-    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2)  # type: ignore[arg-type]
+    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2, prefill_chunk=64)  # type: ignore[arg-type]
     assert order == [
         (("dflash", "plain"), 1, 4, 4, True), (("dflash", "plain"), 8, 32, 32, True),
         (("plain", "dflash"), 1, 4, 4, False), (("plain", "dflash"), 8, 32, 32, False),

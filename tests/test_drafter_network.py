@@ -11,10 +11,9 @@ import pytest
 import torch
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import DrafterNetwork, draft_logits, load_drafter, load_target
+from dflash_trt.builder.tiny_checkpoints import write_tiny_drafter
 from dflash_trt.runtime.loop import generate
 from transformers import AutoModelForCausalLM
-
-from tests.conftest import write_tiny_drafter
 
 TOLERANCE = 1e-4  # fp32, max abs difference of draft logits
 

@@ -28,7 +28,7 @@ def _prompts(seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_random_drafter_greedy_equals_transformers(model_type: str, tiny_targets: dict[str, Path], tmp_path: Path) -> None:
-    from tests.conftest import write_tiny_drafter
+    from dflash_trt.builder.tiny_checkpoints import write_tiny_drafter
 
     engine = _engine(tiny_targets[model_type], write_tiny_drafter(tiny_targets[model_type], tmp_path / "d"))
     model = AutoModelForCausalLM.from_pretrained(tiny_targets[model_type], dtype=torch.float32).eval()

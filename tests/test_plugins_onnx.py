@@ -12,11 +12,10 @@ import pytest
 import torch
 from dflash_trt.builder.layers import rotary_cos_sin
 from dflash_trt.builder.networks import DrafterNetwork, StackedPast, load_drafter, load_target
+from dflash_trt.builder.tiny_checkpoints import write_tiny_drafter
 from dflash_trt.plugins import block_denoise, causal_conv1d, hidden_state_tap
 from dflash_trt.plugins.onnx_domain import DOMAIN, ONNX_OPSET, attach_functions
 from torch import nn
-
-from tests.conftest import write_tiny_drafter
 
 TOLERANCE = 1e-5  # fp32, max abs difference of drafter hidden states (values of magnitude ~1)
 

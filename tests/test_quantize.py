@@ -19,6 +19,7 @@ from dflash_trt.builder.models import SHIPPED_CONFIGS
 from dflash_trt.builder.qdq import awq_scales, form_errors, int4_dequantized, quantize_qdq
 from dflash_trt.builder.quantize import LM_HEAD_BITS, MODES, drafter_nodes, lm_head_nodes, rows_independent
 from dflash_trt.builder.tensorrt_engine import plugin_ready_onnx
+from dflash_trt.builder.tiny_checkpoints import write_tiny_tokenizer
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.quality import block_logits, logits_engine
@@ -27,7 +28,7 @@ from dflash_trt.runtime.sampling import SamplingParams
 from dflash_trt.runtime.scheduler import FixedVerify
 from transformers import Qwen3Config
 
-from tests.conftest import all_nodes, write_tiny_tokenizer
+from tests.conftest import all_nodes
 from tests.test_build import TENSORRT_OPS
 from tests.test_sampling_lossless import NEW_TOKENS, PROMPT, SHARED, SLOTS, VOCAB, _chi_square_p, _dflash_counts, _pair
 

@@ -18,6 +18,7 @@ from dflash_trt.builder.gated_deltanet import GDNTape, commit_state, commit_wind
 from dflash_trt.builder.graphs import DFlashGraphs, engine_spec
 from dflash_trt.builder.models import SHIPPED_CONFIGS
 from dflash_trt.builder.networks import KVCache, load_pair, load_target
+from dflash_trt.builder.tiny_checkpoints import peak_weights, write_tiny_drafter, write_tiny_tokenizer
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from dflash_trt.plugins.onnx_domain import DOMAIN
 from dflash_trt.runtime.engine import GraphEngine, TorchRunner
@@ -26,7 +27,7 @@ from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from tests.conftest import all_nodes, peak_weights, write_tiny_drafter, write_tiny_tokenizer
+from tests.conftest import all_nodes
 
 VOCAB = 96
 TEXT_CONFIG = dict(

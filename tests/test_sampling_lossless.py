@@ -15,6 +15,7 @@ import pytest
 import torch
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.builder.tiny_checkpoints import peak_weights, write_tiny_drafter
 from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.sampling import SamplingParams
@@ -22,8 +23,6 @@ from dflash_trt.runtime.scheduler import Scheduler
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-from tests.conftest import peak_weights, write_tiny_drafter
 
 VOCAB = 4
 NEW_TOKENS = 3

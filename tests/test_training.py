@@ -16,6 +16,7 @@ import pytest
 import torch
 from dflash_trt.builder import train_cli
 from dflash_trt.builder.networks import load_drafter, load_target
+from dflash_trt.builder.tiny_checkpoints import write_tiny_drafter
 from dflash_trt.builder.train_cli import main as dflash_train
 from dflash_trt.builder.train_data import corpus_windows
 from dflash_trt.builder.training import (
@@ -26,8 +27,6 @@ from dflash_trt.builder.training import (
     make_examples,
     slot_weights,
 )
-
-from tests.conftest import write_tiny_drafter
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from dflash_trt.builder.models import SHIPPED_CONFIGS, pair_configs
 from dflash_trt.builder.parallel_plan import Parallelism, check_parallelism, rank_plan, smallest_tp
 from dflash_trt.builder.plan import DTYPE_BYTES, drafter_parameters, target_parameters
 from dflash_trt.builder.repository import MANIFEST
+from dflash_trt.builder.tiny_checkpoints import write_tiny_tokenizer
 from dflash_trt.builder.trtllm_args import TRTLLM_RELEASE, LlmapiModelYaml, LlmArgs, validated
 from dflash_trt.builder.trtllm_repository import TRTLLM_FILES, kubernetes_name
 from dflash_trt.client.triton_client import Request, ServerError, grpc_inputs, http_generate, stream_text
@@ -44,7 +45,7 @@ from dflash_trt.runtime.serve import (
     wait_ready,
 )
 
-from tests.conftest import openai_front_end, write_tiny_tokenizer
+from tests.conftest import openai_front_end
 
 GOLDEN = Path(__file__).parent / "golden" / "trtllm"
 REFERENCE = Path(__file__).resolve().parents[1] / "builder" / "trtllm_api" / f"tensorrt_llm-{TRTLLM_RELEASE}.json"

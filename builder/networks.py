@@ -81,11 +81,14 @@ class PooledPast:
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
 
-    def row_index(self, layers: torch.Tensor, room: int) -> torch.Tensor:
-        """layers: [L'] -> flat row numbers [L', B, R + room]."""
+    def row_index(self, layers: torch.Tensor | int, room: int) -> torch.Tensor:
+        """layers: [L'] -> flat row numbers [L', B, R + room]; one layer's number -> [B, R + room]. (A layer number
+        stays a Python int: a tensor made of it would be a host-to-device copy per layer, which a CUDA graph
+        cannot capture.)"""
         rows_per_layer = self.k_pool.shape[0] // self.layers  # N * T
-        first = layers[:, None] * rows_per_layer + self.slots[None, :] * self.positions  # [L', B]
-        return first[:, :, None] + torch.arange(self.rows + room, device=self.slots.device)  # [L', B, R + room]
+        layer_first = layers[:, None] * rows_per_layer if isinstance(layers, torch.Tensor) else layers * rows_per_layer
+        first = layer_first + self.slots * self.positions  # [L', B] or [B]
+        return first[..., None] + torch.arange(self.rows + room, device=self.slots.device)  # [..., R + room]
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]."""
@@ -94,7 +97,7 @@ class PooledPast:
         return k, self.v_pool.index_select(0, flat).unflatten(0, rows.shape)
 
     def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather(self.row_index(torch.tensor([index], device=self.slots.device), room)[0])  # [B, R + room, Hkv, D]
+        return self.gather(self.row_index(index, room))  # [B, R + room, Hkv, D]
 
     def stacked(self, room: int) -> StackedPast:
         """Every layer's rows and room: k, v [L, B, R + room, Hkv, D]."""

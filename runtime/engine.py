@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from dflash_trt.runtime.cuda_graphs import CudaGraphCalls
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, pool_view_shape
 from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
@@ -68,23 +69,35 @@ class GraphRunner(Protocol):
 
 
 class TorchRunner:
-    """The graph bodies (methods of a torch module) run eagerly on `device`: the reference on the CPU, the
-    `torch-cuda` backend on a GPU. Inputs move to the device (the pool's states are there already); the rows a
-    graph computes for the pool stay there, every other output comes back to the CPU for the scheduler."""
+    """The graph bodies (methods of a torch module) run on `device`: the reference on the CPU, the `torch-cuda`
+    backend on a GPU, where the batched graphs are captured as CUDA graphs per input shape and replayed (prefill's
+    shapes follow each prompt's length: it runs eagerly). Inputs move to the device (the pool's states are there
+    already); the rows a graph computes for the pool stay there, every other output comes back to the CPU for the
+    scheduler."""
 
-    def __init__(self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu") -> None:
+    CAPTURED = ("step", "verify", "decode")
+
+    def __init__(
+        self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu", cuda_graphs: bool | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.graphs = graphs.eval().to(self.device)
         self.names = {
             g: ([t.name for t in graph_inputs(g, spec.states)], [t.name for t in graph_outputs(g, spec.states)])
             for g in GRAPH_NAMES
         }
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = CudaGraphCalls(self.device) if use_graphs else None
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         body: Callable[..., tuple[torch.Tensor, ...]] = getattr(self.graphs, graph)
         input_names, output_names = self.names[graph]
-        outputs = body(*(inputs[name].to(self.device) for name in input_names))
+        values = [inputs[name] for name in input_names]
+        if self.cuda_graphs is not None and graph in self.CAPTURED:
+            outputs = self.cuda_graphs.run(graph, body, values)
+        else:
+            outputs = body(*(v.to(self.device) for v in values))
         return {name: value if name.endswith("_rows") else value.cpu() for name, value in zip(output_names, outputs, strict=True)}
 
 

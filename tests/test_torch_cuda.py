@@ -70,3 +70,12 @@ def test_the_dflash_model_serves_it(
         for prompt, tokens in zip(PROMPTS, expected, strict=True):
             served = [t for r in stream_tokens(f"localhost:{ports.grpc}", prompt, Request(40)) for t in r["tokens"]]
             assert served == tokens
+
+
+def test_cuda_graphs_are_refused_off_a_cuda_device() -> None:
+    """The torch-cuda runner captures its batched graphs only on a GPU (on the CPU, in this test mode, it runs them
+    eagerly); asked to capture elsewhere, it says why."""
+    from dflash_trt.runtime.cuda_graphs import CudaGraphCalls
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
+        CudaGraphCalls(torch.device("cpu"))

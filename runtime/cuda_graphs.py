@@ -1,0 +1,88 @@
+"""CUDA graphs for the torch-cuda backend: each (graph, input shapes) is captured once and replayed, so a batched
+step launches its few hundred kernels as one graph instead of one by one from Python.
+
+A captured call keeps device buffers for the inputs the host sends (tokens, positions, sampling parameters, shape
+carriers), copies each call's values into them and replays; the state pool's tensors are captured in place (the
+engine allocates them once). Outputs are the capture's own tensors, which the next replay of any call may
+overwrite (captures share one memory pool, as calls never run at the same time): the runner copies them to the
+host or into the pool before it replays again. A shape is captured at its second call (a capture costs about two
+calls: a shape used once is not worth it), and the least recently used captures are dropped beyond `capacity`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+GraphBody = Callable[..., tuple[torch.Tensor, ...]]
+CallKey = tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # device buffers of host inputs; the pool's tensors themselves
+    outputs: tuple[torch.Tensor, ...]
+
+
+class CudaGraphCalls:
+    """Replays captured CUDA graphs of graph bodies on `device`; `run` falls back to eager calls for good (with a
+    message) if a capture fails."""
+
+    def __init__(self, device: torch.device, capacity: int = 64) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.capacity = capacity
+        self.enabled = True
+        self.captures = 0  # how many calls were captured (a replay of a new shape costs one capture)
+        self._calls: OrderedDict[CallKey, CapturedCall] = OrderedDict()
+        self._seen: set[CallKey] = set()  # shapes called once, eagerly
+        self._memory = torch.cuda.graph_pool_handle()
+
+    def run(self, name: str, body: GraphBody, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if not self.enabled:
+            return body(*(v.to(self.device) for v in values))
+        key = self._key(name, values)
+        call = self._calls.get(key)
+        if call is None and key not in self._seen:
+            self._seen.add(key)
+            return body(*(v.to(self.device) for v in values))
+        if call is None:
+            try:
+                call = self._capture(body, values)
+            except RuntimeError as error:  # an op that cannot be captured: this runner stays eager
+                self.enabled = False
+                print(f"dflash: CUDA graph capture of {name} failed, running eagerly from now on: {error}", file=sys.stderr)
+                return body(*(v.to(self.device) for v in values))
+            self._calls[key] = call
+            if len(self._calls) > self.capacity:
+                self._calls.popitem(last=False)
+        self._calls.move_to_end(key)
+        for buffer, value in zip(call.inputs, values, strict=True):
+            if buffer is not value:
+                buffer.copy_(value, non_blocking=True)
+        call.graph.replay()
+        return call.outputs
+
+    def _key(self, name: str, values: Sequence[torch.Tensor]) -> CallKey:
+        """Shapes and dtypes of every input, and the address of each already on the device (the pool's tensors)."""
+        resident = (v.data_ptr() if v.device == self.device else 0 for v in values)
+        return (name, *((tuple(v.shape), v.dtype, address) for v, address in zip(values, resident, strict=True)))
+
+    def _capture(self, body: GraphBody, values: Sequence[torch.Tensor]) -> CapturedCall:
+        inputs = tuple(v if v.device == self.device else v.to(self.device, copy=True) for v in values)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisation (cuBLAS handles, plans)
+            body(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            outputs = body(*inputs)
+        self.captures += 1
+        return CapturedCall(graph, inputs, tuple(outputs))

@@ -19,6 +19,7 @@ import sysconfig
 import time
 import urllib.request
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 from dflash_trt.builder.embedded import data_dir
@@ -36,6 +37,18 @@ class TritonInstall:
     env: dict[str, str]
 
 
+def check_bundled_numpy(numpy_version: str) -> None:
+    """The tritonserver in nvidia-pytriton 0.7.0 (Triton 2.51) has a Python backend built before its NumPy 2 support
+    (triton-inference-server/python_backend#384): under NumPy 2 its models' responses reach clients with empty
+    output tensors (seen on a GPU machine whose image has NumPy 2.5). Refuse that pairing up front."""
+    if int(numpy_version.split(".")[0]) >= 2:
+        raise RuntimeError(
+            f"NumPy {numpy_version} is installed, and the tritonserver bundled in nvidia-pytriton (Triton 2.51) has a "
+            "Python backend that returns empty outputs under NumPy 2: install 'numpy<2' (dflash-trt requires it; an "
+            "install without dependencies skips that) or serve in the NVIDIA Triton container"
+        )
+
+
 def _bundled_triton() -> TritonInstall:
     try:
         import pytriton
@@ -44,6 +57,7 @@ def _bundled_triton() -> TritonInstall:
             "no tritonserver found: pip install 'dflash-trt[serve]' (the tritonserver bundled in nvidia-pytriton) "
             "or run inside the NVIDIA Triton container"
         ) from None
+    check_bundled_numpy(version("numpy"))
     root = Path(pytriton.__file__).resolve().parent / "tritonserver"
     python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = root / "python_backend_stubs" / python_version / "triton_python_backend_stub"

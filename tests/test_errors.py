@@ -161,3 +161,13 @@ def test_engines_the_runtime_cannot_run_are_refused_before_serving(
         path.write_text(json.dumps({**older, "backend": "onnxruntime", "device": "cpu"}))
     with pytest.raises(RuntimeError, match=r"graphs of graph schema unrecorded .*serves schema \d+: rebuild .*--force"):
         load_engine(repo)
+
+
+def test_the_bundled_tritonserver_is_refused_under_numpy_2() -> None:
+    """Seen on a GPU machine: the Python backend of nvidia-pytriton's Triton 2.51 answers with empty outputs under
+    NumPy 2, so dflash-serve refuses the pairing with the fix instead of serving empty streams."""
+    from dflash_trt.runtime.serve import check_bundled_numpy
+
+    with pytest.raises(RuntimeError, match=r"NumPy 2\.5\.2 is installed.*install 'numpy<2'"):
+        check_bundled_numpy("2.5.2")
+    check_bundled_numpy("1.26.4")  # what dflash-trt installs

@@ -171,14 +171,17 @@ def test_gpu_check_script_runs_at_smoke_size() -> None:
     result = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    ops = ["BlockDenoise", "HiddenStateTap", "target step", "torch-cuda engine", "torch-cuda engine", "torch-cuda engine"]
-    assert [r.get("op") for r in rows[1:]] == ops
+    engine_rows = ["torch-cuda engine"] * 5  # plain and DFlash at batch 1, then with 8 clients, then their agreement
+    assert [r.get("op") for r in rows[1:]] == ["BlockDenoise", "HiddenStateTap", "target step", *engine_rows]
     for row in rows[1:3]:
         assert row["max_abs_error"] <= TOLERANCE[torch.bfloat16] * 2
     # the 16-token verify and 16 one-token decode steps compute the same logits (float32 on the CPU here)
     assert rows[3]["verify_vs_decode_max_abs_logit_diff"] < 1e-3 and rows[3]["verify_vs_decode_argmax_equal"] is True
-    assert rows[4]["greedy_identical_to_cpu"] is True  # the engine path on its own device (the CPU here)
-    assert [r["mode"] for r in rows[5:]] == ["plain", "dflash"] and all(r["tok_s"] > 0 for r in rows[5:])
+    assert [(r["mode"], r.get("batch"), r.get("clients")) for r in rows[4:8]] == [
+        ("plain", 1, None), ("dflash", 1, None), ("dflash", None, 8), ("plain", None, 8)
+    ]  # fmt: skip
+    assert all(r["tok_s"] > 0 for r in rows[4:8]) and all(r["consistent"] for r in rows[6:8])
+    assert rows[8]["batched_outputs_equal"] is True  # DFlash batched gives plain decoding's tokens
 
 
 GDN_CASES = {

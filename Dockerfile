@@ -10,7 +10,8 @@
 #   # stream a completion from the host (pip install dflash-trt there):
 #   dflash-client "Write a function that reverses a string." --stats
 #
-# --backend tensorrt builds TensorRT plans with the image's own TensorRT, but the runtime cannot serve them yet.
+# --backend tensorrt builds TensorRT plans with the image's own TensorRT; the runtime's TensorRT runner for them is written
+# against the real API but has never run (no TensorRT where dflash-trt is developed): prefer torch-cuda until it has.
 ARG TRITON_VERSION=25.10
 FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for the torch-cuda backend: each (graph, input shapes) is captured once and replayed, so a batched
+"""CUDA graphs for the GPU runners (torch-cuda, TensorRT): each (graph, input shapes) is captured once and replayed, so a batched
 step launches its few hundred kernels as one graph instead of one by one from Python.
 
 A captured call keeps device buffers for the inputs the host sends (tokens, positions, sampling parameters, shape
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+CAPTURED_GRAPHS = ("step", "verify", "decode")  # prefill's shapes follow each prompt's length: it runs eagerly
 GraphBody = Callable[..., tuple[torch.Tensor, ...]]
 CallKey = tuple[object, ...]
 
@@ -75,7 +76,7 @@ class CudaGraphCalls:
         return (name, *((tuple(v.shape), v.dtype, address) for v, address in zip(values, resident, strict=True)))
 
     def _capture(self, body: GraphBody, values: Sequence[torch.Tensor]) -> CapturedCall:
-        inputs = tuple(v if v.device == self.device else v.to(self.device, copy=True) for v in values)
+        inputs = tuple(v if v.device == self.device else v.to(self.device, copy=True).contiguous() for v in values)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisation (cuBLAS handles, plans)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from dflash_trt.runtime.cuda_graphs import CudaGraphCalls
+from dflash_trt.runtime.cuda_graphs import CAPTURED_GRAPHS, CudaGraphCalls
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, pool_view_shape
 from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
@@ -75,8 +75,6 @@ class TorchRunner:
     already); the rows a graph computes for the pool stay there, every other output comes back to the CPU for the
     scheduler."""
 
-    CAPTURED = ("step", "verify", "decode")
-
     def __init__(
         self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu", cuda_graphs: bool | None = None
     ) -> None:
@@ -94,7 +92,7 @@ class TorchRunner:
         body: Callable[..., tuple[torch.Tensor, ...]] = getattr(self.graphs, graph)
         input_names, output_names = self.names[graph]
         values = [inputs[name] for name in input_names]
-        if self.cuda_graphs is not None and graph in self.CAPTURED:
+        if self.cuda_graphs is not None and graph in CAPTURED_GRAPHS:
             outputs = self.cuda_graphs.run(graph, body, values)
         else:
             outputs = body(*(v.to(self.device) for v in values))

@@ -46,29 +46,36 @@ class CudaGraphCalls:
         self._memory = torch.cuda.graph_pool_handle()
 
     def run(self, name: str, body: GraphBody, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        if not self.enabled:
-            return body(*(v.to(self.device) for v in values))
-        key = self._key(name, values)
-        call = self._calls.get(key)
-        if call is None and key not in self._seen:
-            self._seen.add(key)
-            return body(*(v.to(self.device) for v in values))
+        call = self._captured(name, body, values) if self.enabled else None
         if call is None:
-            try:
-                call = self._capture(body, values)
-            except RuntimeError as error:  # an op that cannot be captured: this runner stays eager
-                self.enabled = False
-                print(f"dflash: CUDA graph capture of {name} failed, running eagerly from now on: {error}", file=sys.stderr)
-                return body(*(v.to(self.device) for v in values))
-            self._calls[key] = call
-            if len(self._calls) > self.capacity:
-                self._calls.popitem(last=False)
-        self._calls.move_to_end(key)
+            return body(*(v.to(self.device) for v in values))
         for buffer, value in zip(call.inputs, values, strict=True):
             if buffer is not value:
                 buffer.copy_(value, non_blocking=True)
         call.graph.replay()
         return call.outputs
+
+    def _captured(self, name: str, body: GraphBody, values: Sequence[torch.Tensor]) -> CapturedCall | None:
+        """The capture of this call's shapes, made at their second call; None at the first, or if capturing fails."""
+        key = self._key(name, values)
+        if key in self._calls:
+            self._calls.move_to_end(key)
+            return self._calls[key]
+        if key not in self._seen:
+            if len(self._seen) >= 16 * self.capacity:  # bounded: forgetting a shape costs one more eager call
+                self._seen.clear()
+            self._seen.add(key)
+            return None
+        try:
+            call = self._capture(body, values)
+        except RuntimeError as error:  # an op that cannot be captured: this runner stays eager
+            self.enabled = False
+            print(f"dflash: CUDA graph capture of {name} failed, running eagerly from now on: {error}", file=sys.stderr)
+            return None
+        self._calls[key] = call
+        if len(self._calls) > self.capacity:
+            self._calls.popitem(last=False)
+        return call
 
     def _key(self, name: str, values: Sequence[torch.Tensor]) -> CallKey:
         """Shapes and dtypes of every input, and the address of each already on the device (the pool's tensors)."""

@@ -75,17 +75,14 @@ class TorchRunner:
     already); the rows a graph computes for the pool stay there, every other output comes back to the CPU for the
     scheduler."""
 
-    def __init__(
-        self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu", cuda_graphs: bool | None = None
-    ) -> None:
+    def __init__(self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.graphs = graphs.eval().to(self.device)
         self.names = {
             g: ([t.name for t in graph_inputs(g, spec.states)], [t.name for t in graph_outputs(g, spec.states)])
             for g in GRAPH_NAMES
         }
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.cuda_graphs = CudaGraphCalls(self.device) if use_graphs else None
+        self.cuda_graphs = CudaGraphCalls(self.device) if self.device.type == "cuda" else None  # None: eager
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -50,7 +50,7 @@ def _torch_dtype(dtype: trt.DataType) -> torch.dtype:
 class TensorRTRunner:
     """Executes the plans of an engine directory (`{graph}.plan`) on `device`."""
 
-    def __init__(self, engine_dir: Path, spec: EngineSpec, device: torch.device, cuda_graphs: bool = True) -> None:
+    def __init__(self, engine_dir: Path, spec: EngineSpec, device: torch.device) -> None:
         if not tensorrt_runtime_available():
             raise RuntimeError(
                 f"{engine_dir} holds TensorRT plans: serving them needs TensorRT 10+ and a CUDA GPU (run inside the "
@@ -76,7 +76,7 @@ class TensorRTRunner:
         activation_bytes = max(engine.device_memory_size_v2 for engine in self.engines.values())
         self.activations = torch.empty(activation_bytes, dtype=torch.uint8, device=device)  # every context's scratch
         self.contexts: dict[tuple[str, object], trt.IExecutionContext] = {}
-        self.cuda_graphs = CudaGraphCalls(device) if cuda_graphs else None
+        self.cuda_graphs: CudaGraphCalls | None = CudaGraphCalls(device)  # None: eager
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

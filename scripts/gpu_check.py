@@ -27,6 +27,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -274,14 +275,15 @@ def prepare(directory: Path) -> None:
     from dflash_trt.runtime.repository import load_engine
 
     directory.mkdir(parents=True, exist_ok=True)
-    target = write_tiny_target("qwen3", directory / "target")
-    drafter = write_trained_tiny_drafter(target, directory / "drafter", directory / "work")
-    repo = directory / "onnxruntime"
-    pair = ["--model", str(target), "--drafter", str(drafter), "--max-seq-len", "256", "--dtype", "float32"]
-    if dflash_build([*pair, "--output", str(repo)]) != 0:
-        raise RuntimeError("dflash-build failed")
-    engine, _ = load_engine(repo)
-    outputs = [generate(engine, prompt, PAIR_TOKENS) for prompt in PROMPTS]
+    with tempfile.TemporaryDirectory() as scratch:  # only the pair and the outputs travel to the GPU machine
+        target = write_tiny_target("qwen3", directory / "target")
+        drafter = write_trained_tiny_drafter(target, directory / "drafter", Path(scratch))
+        repo = Path(scratch) / "onnxruntime"
+        pair = ["--model", str(target), "--drafter", str(drafter), "--max-seq-len", "256", "--dtype", "float32"]
+        if dflash_build([*pair, "--output", str(repo)]) != 0:
+            raise RuntimeError("dflash-build failed")
+        engine, _ = load_engine(repo)
+        outputs = [generate(engine, prompt, PAIR_TOKENS) for prompt in PROMPTS]
     expected = {"prompts": PROMPTS, "max_tokens": PAIR_TOKENS, "tokens": [o.tokens for o in outputs],
                 "accepted": [o.stats.accepted_draft_tokens for o in outputs], "engine": "onnxruntime, cpu"}  # fmt: skip
     (directory / "expected.json").write_text(json.dumps(expected))
@@ -396,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(section: Callable[[], list[dict[str, object]]]) -> int:
     """Print a section's rows as JSON lines as soon as it ends; a section that raises prints its error and the others
-    still run (one GPU run is all a session may get). -> 1 if it raised."""
+    still run (one GPU run is all a session may get). -> 1 if it raised or a row reports an error."""
     try:
         rows = section()
     except Exception as error:  # noqa: BLE001
@@ -404,7 +406,7 @@ def report(section: Callable[[], list[dict[str, object]]]) -> int:
         return 1
     for row in rows:
         print(json.dumps(row), flush=True)
-    return 0
+    return int(any("error" in row for row in rows))
 
 
 if __name__ == "__main__":

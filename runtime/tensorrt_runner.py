@@ -83,12 +83,15 @@ class TensorRTRunner:
         input_names, output_names = self.names[graph]
         values = [inputs[name] for name in input_names]
         if self.cuda_graphs is not None and graph in CAPTURED_GRAPHS:
-            shapes = tuple(tuple(v.shape) for v in values)
-            execute = partial(self._execute, graph, self._context(graph, shapes))
-            outputs = self.cuda_graphs.run(graph, execute, values)
+            outputs = self.cuda_graphs.run(graph, partial(self._execute_captured, graph), values)
         else:  # prefill (its shapes follow each prompt): one context per graph, its shapes set per call
             outputs = self._execute(graph, self._context(graph, None), *(v.to(self.device) for v in values))
         return {name: value if name.endswith("_rows") else value.cpu() for name, value in zip(output_names, outputs, strict=True)}
+
+    def _execute_captured(self, graph: str, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_execute` in the context of these input shapes: a replay does not call it, only a shape's first call, the
+        capture's warm-up and the capture itself."""
+        return self._execute(graph, self._context(graph, tuple(tuple(v.shape) for v in values)), *values)
 
     def _context(self, graph: str, shapes: object) -> trt.IExecutionContext:
         """The execution context of a graph at these input shapes (None: any), on the shared activation buffer."""

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,19 +222,16 @@ def check_engine_speed(target: TargetNetwork, drafter: DrafterNetwork, sizes: Si
     engine = torch_engine(target, drafter, 2048, max_batch=17, device=device)
     runner = engine.runner
     assert isinstance(runner, TorchRunner)
-    capturer = runner.cuda_graphs
     rows: list[dict[str, object]] = []
-    for graphs in (True, False) if capturer is not None else (False,):
-        runner.cuda_graphs = capturer if graphs else None
+    for graphs in with_and_without_cuda_graphs(runner):
         outputs = {}
         for name, decode in (("plain", generate_plain), ("dflash", generate)):
             seconds, out = timed(decode, engine, prompt, max_tokens)
             outputs[name] = out.tokens
-            rows.append({"op": "torch-cuda engine", "mode": name, "batch": 1, "cuda_graphs": replaying(runner),
+            rows.append({"op": "torch-cuda engine", "mode": name, "batch": 1, "cuda_graphs": graphs,
                          "target_layers": sizes.target_layers, "tokens": len(out.tokens),
                          "tok_s": len(out.tokens) / seconds, "tau": out.stats.tau})  # fmt: skip
         rows[-1]["tokens_equal_to_plain_before_first_difference"] = agreeing(outputs["dflash"], outputs["plain"])
-    runner.cuda_graphs = capturer
     prompts = [[(7 * i + j) % sizes.vocab for j in range(24 + 4 * i)] for i in range(8)]
     run_load(engine, prompts, max_tokens, 8, 16, ("dflash", "plain"))  # warm round: the shapes a load meets captured
     results = run_load(engine, prompts, max_tokens, 8, 16, ("dflash", "plain"))
@@ -245,16 +242,29 @@ def check_engine_speed(target: TargetNetwork, drafter: DrafterNetwork, sizes: Si
                      "itl_ms_p50": summary["itl_ms_p50"], "mean_verify_width": summary["mean_verify_width"],
                      "consistent": result.consistent})  # fmt: skip
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    captures = runner.cuda_graphs.captures if runner.cuda_graphs else 0
     dflash, plain = results["dflash"].outputs, results["plain"].outputs
     rows.append({"op": "torch-cuda engine", "batched_outputs_equal": dflash == plain,
                  "tokens_equal_before_first_difference": [agreeing(dflash[n], plain[n]) for n in sorted(plain)],
-                 "cuda_graph_captures": capturer.captures if capturer is not None else 0, "peak_gpu_gib": peak})  # fmt: skip
+                 "cuda_graph_captures": captures, "peak_gpu_gib": peak})  # fmt: skip
     return rows
 
 
 def replaying(runner: TorchRunner) -> bool:
     """Whether the runner's batched graphs replay as CUDA graphs now (not off, and no capture failed)."""
     return runner.cuda_graphs is not None and runner.cuda_graphs.enabled
+
+
+def with_and_without_cuda_graphs(runner: TorchRunner) -> Iterator[bool]:
+    """Sets the runner to replay CUDA graphs, then to run eagerly (only eagerly where it has none), yielding whether
+    it replays; restores it afterwards."""
+    capturer = runner.cuda_graphs
+    try:
+        for graphs in (True, False) if capturer is not None else (False,):
+            runner.cuda_graphs = capturer if graphs else None
+            yield replaying(runner)
+    finally:
+        runner.cuda_graphs = capturer
 
 
 def agreeing(tokens: list[int], reference: list[int]) -> int:
@@ -304,19 +314,16 @@ def check_pair(directory: Path, work: Path) -> list[dict[str, object]]:
     engine, manifest = load_engine(repo)
     runner = engine.runner
     assert isinstance(runner, TorchRunner)
-    capturer = runner.cuda_graphs
     rows: list[dict[str, object]] = []
     sampled: list[list[int]] = []
-    for graphs in (True, False) if capturer is not None else (False,):
-        runner.cuda_graphs = capturer if graphs else None
+    for graphs in with_and_without_cuda_graphs(runner):
         outputs = [generate(engine, prompt, expected["max_tokens"]) for prompt in expected["prompts"]]
         sampled.append(generate(engine, expected["prompts"][0], 32, SamplingParams(0.8, top_k=20, seed=3)).tokens)
         identical = [o.tokens for o in outputs] == expected["tokens"]
         rows.append({"op": "tiny pair", "backend": manifest["backend"], "device": str(runner.device),
-                     "cuda_graphs": replaying(runner), "greedy_identical_to_cpu_engine": identical,
+                     "cuda_graphs": graphs, "greedy_identical_to_cpu_engine": identical,
                      "accepted_drafts": [o.stats.accepted_draft_tokens for o in outputs],
                      "cpu_engine_accepted_drafts": expected["accepted"]})  # fmt: skip
-    runner.cuda_graphs = capturer
     rows.append({"op": "tiny pair", "seeded_sampling_identical_with_and_without_cuda_graphs": sampled[0] == sampled[-1]})
     scheduler = Scheduler(engine)
     sequences = [Sequence(prompt, expected["max_tokens"]) for prompt in expected["prompts"]]

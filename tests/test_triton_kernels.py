@@ -181,6 +181,8 @@ def test_gpu_check_script_runs_at_smoke_size() -> None:
         ("plain", 1, None), ("dflash", 1, None), ("dflash", None, 8), ("plain", None, 8)
     ]  # fmt: skip
     assert all(r["tok_s"] > 0 for r in rows[4:8]) and all(r["consistent"] for r in rows[6:8])
+    # the engine path on its own device (the CPU here): DFlash one at a time gives plain decoding's every token
+    assert rows[5]["tokens_equal_to_plain_before_first_difference"] == rows[5]["tokens"]
     assert rows[8]["batched_outputs_equal"] is True  # DFlash batched gives plain decoding's tokens
 
 

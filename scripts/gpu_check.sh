@@ -5,23 +5,25 @@
 #
 # The project is installed into $PYTHON's environment (pip, offline, without its dependencies: the GPU machine's
 # torch stays) unless it is there already, so tritonserver's Python-backend stubs import it as they import torch.
-# A GPU machine without network gets what it lacks from .gpu-carry/, prepared on a machine that has it:
-#   python scripts/gpu_check.py --prepare .gpu-carry/pair     # the tiny pair and its CPU engine's outputs (CPU)
-#   .gpu-carry/env/*.whl                                       # dependencies the environment lacks (pydantic ...)
-#   .gpu-carry/client/*.whl, .gpu-carry/tritonserver.tar.xz    # for the served check only, kept out of the
-#                                                              # environment: pytriton's tritonserver, tritonclient
+# A GPU machine without network gets what it lacks from .gpu-carry/, which `python scripts/gpu_carry.py` prepares on
+# a machine that has network (under the device tool's 64 MiB with the repository): pair/ (the tiny pair and its CPU
+# engine's outputs), env.tar.xz (wheels installed into $PYTHON's environment: NumPy < 2, pydantic ...), site.tar.xz
+# (for the served check only, kept out of that environment: pytriton's tritonserver, tritonclient).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 install=(-m pip install -q --no-index --no-deps --no-compile)
+scratch=/tmp/dflash-gpu-carry
+site=$scratch/site
+mkdir -p "$scratch/env" "$site"
 if ! "$PYTHON" -c 'import dflash_trt.runtime' 2> /dev/null; then
-  if compgen -G ".gpu-carry/env/*.whl" > /dev/null; then "$PYTHON" "${install[@]}" .gpu-carry/env/*.whl; fi
+  if [ -f .gpu-carry/env.tar.xz ]; then
+    tar -xJf .gpu-carry/env.tar.xz -C "$scratch/env"
+    "$PYTHON" "${install[@]}" "$scratch"/env/*.whl
+  fi
   "$PYTHON" "${install[@]}" --no-build-isolation .
 fi
-site=/tmp/dflash-gpu-site
-mkdir -p "$site"
-if compgen -G ".gpu-carry/client/*.whl" > /dev/null; then "$PYTHON" "${install[@]}" --target "$site" .gpu-carry/client/*.whl; fi
-[ -f .gpu-carry/tritonserver.tar.xz ] && tar -xJf .gpu-carry/tritonserver.tar.xz -C "$site"
+[ -f .gpu-carry/site.tar.xz ] && tar -xJf .gpu-carry/site.tar.xz -C "$site"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
 pair=()
 [ -f .gpu-carry/pair/expected.json ] && pair=(--pair .gpu-carry/pair)

@@ -237,3 +237,45 @@ def test_causal_conv1d_kernel_matches_reference(dtype: torch.dtype, case: str) -
     ref_y, ref_extended = causal_conv1d(x.float(), window.float(), weight.float())
     assert y.dtype == dtype and y.shape == ref_y.shape and torch.equal(extended.float(), ref_extended)
     assert _max_error(y, ref_y) <= TOLERANCE[dtype] * max(1.0, ref_y.abs().max().item())
+
+
+def test_gpu_carry_wheels_install_without_their_tests_and_the_server_finds_its_libraries(tmp_path: Path) -> None:
+    """scripts/gpu_carry.py: a wheel rewritten uncompressed without its tests still installs with pip (its RECORD
+    lists what is left) and imports; the bundled tritonserver's libraries are found through their NEEDED entries."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import gpu_carry
+    finally:
+        sys.path.pop(0)
+    import zipfile
+
+    wheel = tmp_path / "tiny_pkg-1.0-py3-none-any.whl"
+    files = {"tiny_pkg/__init__.py": "VALUE = 7\n", "tiny_pkg/tests/test_it.py": "x = 1\n"}
+    record = "".join(f"{name},,\n" for name in [*files, "tiny_pkg-1.0.dist-info/METADATA", "tiny_pkg-1.0.dist-info/WHEEL"])
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr("tiny_pkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: tiny-pkg\nVersion: 1.0\n")
+        archive.writestr("tiny_pkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr("tiny_pkg-1.0.dist-info/RECORD", record + "tiny_pkg-1.0.dist-info/RECORD,,\n")
+    (tmp_path / "stored").mkdir()
+    gpu_carry.stored_wheel(wheel, tmp_path / "stored")
+    with zipfile.ZipFile(tmp_path / "stored" / wheel.name) as stored:
+        assert {i.compress_type for i in stored.infolist()} == {zipfile.ZIP_STORED}
+        assert "tiny_pkg/tests/test_it.py" not in stored.namelist()
+        assert b"tests" not in stored.read("tiny_pkg-1.0.dist-info/RECORD")
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(tmp_path / "site")]
+    subprocess.run([*install, str(tmp_path / "stored" / wheel.name)], check=True, capture_output=True)
+    assert not (tmp_path / "site" / "tiny_pkg" / "tests").exists()
+    program = "import tiny_pkg; print(tiny_pkg.VALUE)"
+    imported = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(tmp_path / "site")},
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    assert imported.stdout.strip() == "7"
+
+    pytriton = pytest.importorskip("pytriton")
+    site = Path(pytriton.__file__).resolve().parent.parent
+    server = site / "pytriton" / "tritonserver" / "bin" / "tritonserver"
+    libraries = {p.name for p in gpu_carry.needed_libraries([server], site / "nvidia_pytriton.libs")}
+    assert any(name.startswith("libtritonserver") for name in libraries)  # direct
+    assert any(name.startswith("libcrypto") for name in libraries)  # direct, and through libssl
+    assert not any(name.startswith("libpython3") for name in libraries)  # the stubs' business, not the server's

@@ -2,6 +2,8 @@
 
 - "code": each public, documented function of a set of standard modules becomes "write this function" from its
   signature and the first paragraph of its docstring, plus a fixed list of generic programming instructions.
+- "code-methods": the same for the methods that the public classes of those modules define ("write the method
+  `limit_denominator` of a class `Fraction`"): more code tasks of the same kind, none of them in "code".
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -18,6 +20,7 @@ import inspect
 import re
 import sysconfig
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -73,23 +76,54 @@ PROSE_TOPICS = (
 CODE_TASK = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{stub}\n```"
 
 
-def _function_prompts(name: str, function: object) -> list[str]:
-    """Two prompts per documented public function: a one-line instruction, and a stub with its docstring as a
-    code task (the z-lab benchmark's user-turn wording around standard-library content)."""
-    doc = inspect.getdoc(function)
+@dataclass(frozen=True)
+class Documented:
+    """A public routine's signature (stable text), one-line summary and docstring (first two paragraphs)."""
+
+    signature: str
+    summary: str
+    docstring: str
+
+    def stub(self, name: str, indent: str = "") -> str:
+        """`def name(signature):` with the docstring, indented by `indent` (a method's stub sits in its class)."""
+        docstring = self.docstring.replace("\n", "\n    " + indent)
+        return f'{indent}def {name}{self.signature}:\n{indent}    """{docstring}\n{indent}    """\n'
+
+
+def documented(name: str, routine: object) -> Documented | None:
+    """What the prompts need of a routine, or None where it is private, undocumented, briefly documented (a summary
+    under 20 characters) or has no signature."""
+    doc = inspect.getdoc(routine)
     if not doc or name.startswith("_"):
-        return []
+        return None
     try:
-        signature = stable_signature(function)
+        signature = stable_signature(routine)
     except (TypeError, ValueError):
-        return []
+        return None
     paragraphs = doc.split("\n\n")
     summary = paragraphs[0].replace("\n", " ").strip()
     if len(summary) < 20:
+        return None
+    return Documented(signature, summary, "\n\n".join(paragraphs[:2]).replace('"""', "'''"))
+
+
+def _function_prompts(name: str, function: object) -> list[str]:
+    """Two prompts per documented public function: a one-line instruction, and a stub with its docstring as a
+    code task (the z-lab benchmark's user-turn wording around standard-library content)."""
+    doc = documented(name, function)
+    if doc is None:
         return []
-    docstring = "\n\n".join(paragraphs[:2]).replace('"""', "'''").replace("\n", "\n    ")
-    stub = f'def {name}{signature}:\n    """{docstring}\n    """\n'
-    return [f"Write a Python function `{name}{signature}`: {summary}", CODE_TASK.format(stub=stub)]
+    return [f"Write a Python function `{name}{doc.signature}`: {doc.summary}", CODE_TASK.format(stub=doc.stub(name))]
+
+
+def _method_prompts(class_name: str, name: str, method: object) -> list[str]:
+    """Two prompts per documented public method, as `_function_prompts` words them, the stub inside its class."""
+    doc = documented(name, method)
+    if doc is None:
+        return []
+    stub = f"class {class_name}:\n" + doc.stub(name, indent="    ")
+    instruction = f"Write the method `{name}{doc.signature}` of a Python class `{class_name}`: {doc.summary}"
+    return [instruction, CODE_TASK.format(stub=stub)]
 
 
 _OBJECT_REPR = re.compile(r"<(?:function|built-in method|built-in function|bound method) ([\w.]+)[^<>]* at 0x[0-9a-fA-F]+>")
@@ -115,12 +149,29 @@ def code_prompts() -> list[str]:
     return prompts
 
 
+def code_method_prompts() -> list[str]:
+    """Deterministic list of prompts for the methods that the public classes of STDLIB_MODULES define themselves
+    (module order, then class and method name order): more code tasks of the same kind, none the "code" set has."""
+    prompts: list[str] = []
+    for module_name in STDLIB_MODULES:
+        module = importlib.import_module(module_name)
+        for class_name, cls in sorted(vars(module).items()):
+            if not inspect.isclass(cls) or class_name.startswith("_") or cls.__module__ != module.__name__:
+                continue
+            for name, member in sorted(vars(cls).items()):
+                if inspect.isroutine(member):
+                    prompts.extend(p for p in _method_prompts(class_name, name, member) if p not in prompts)
+    return prompts
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
 
 
-PROMPT_SETS: dict[str, Callable[[], list[str]]] = {"code": code_prompts, "prose": prose_prompts}
+PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
+    "code": code_prompts, "code-methods": code_method_prompts, "prose": prose_prompts,
+}  # fmt: skip
 
 
 def stdlib_source_texts() -> list[str]:

@@ -5,6 +5,7 @@ never stopped and is reproducible, and its prompts are the same in every process
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -225,12 +226,23 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     assert "answers other 'code' prompts than this dflash-train makes (1 of 6 differ; the first is #2" in capsys.readouterr().err
 
 
-def test_code_prompts_are_the_same_in_every_process() -> None:
+def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:
     """The training data are the target's answers to these prompts, so they must not carry anything that changes
-    between runs, such as the memory address in a default value's repr (`<function copy2 at 0x7f...>`)."""
-    program = "import json; from dflash_trt.builder.train_data import code_prompts; print(json.dumps(code_prompts()))"
+    between runs, such as the memory address in a default value's repr (`<function copy2 at 0x7f...>`); the
+    `code-methods` set adds prompts ("code" has none of them), and its code tasks are valid Python."""
+    program = (
+        "import json; from dflash_trt.builder.train_data import PROMPT_SETS as S; "
+        "print(json.dumps([S['code'](), S['code-methods']()]))"
+    )
     runs = [subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout for _ in range(2)]
     assert runs[0] == runs[1]
-    prompts = json.loads(runs[0])
-    assert len(prompts) > 600 and not [p for p in prompts if re.search(r" at 0x[0-9a-f]+>", p)]
-    assert any("copy_function=copy2" in p for p in prompts)
+    functions, methods = json.loads(runs[0])
+    for prompts in (functions, methods):
+        assert len(prompts) > 600 and not [p for p in prompts if re.search(r" at 0x[0-9a-f]+>", p)]
+    assert any("copy_function=copy2" in p for p in functions)
+    assert not set(functions) & set(methods)
+    stubs = [p.split("```python\n")[1].removesuffix("\n```") for p in methods if "```python" in p]
+    assert len(stubs) == len(methods) // 2
+    for stub in stubs:
+        ast.parse(stub)  # a class with one documented method
+    assert "class Fraction:\n    def limit_denominator(self, max_denominator=1000000):" in "\n".join(stubs)

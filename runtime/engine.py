@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from dflash_trt.runtime.cuda_graphs import CAPTURED_GRAPHS, CudaGraphCalls
+from dflash_trt.runtime.cuda_graphs import CAPTURED_GRAPHS, BatchPadding, CudaGraphCalls
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs, pool_view_shape
 from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
@@ -70,10 +70,10 @@ class GraphRunner(Protocol):
 
 class TorchRunner:
     """The graph bodies (methods of a torch module) run on `device`: the reference on the CPU, the `torch-cuda`
-    backend on a GPU, where the batched graphs are captured as CUDA graphs per input shape and replayed (prefill's
-    shapes follow each prompt's length: it runs eagerly). Inputs move to the device (the pool's states are there
-    already); the rows a graph computes for the pool stay there, every other output comes back to the CPU for the
-    scheduler."""
+    backend on a GPU, where the batched graphs are padded to a bucket of rows and captured as CUDA graphs per input
+    shape and replayed (`cuda_graphs`; prefill's shapes follow each prompt's length: it runs eagerly). Inputs move to
+    the device (the pool's states are there already); the rows a graph computes for the pool stay there, every other
+    output comes back to the CPU for the scheduler."""
 
     def __init__(self, graphs: Any, spec: EngineSpec, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
@@ -83,6 +83,7 @@ class TorchRunner:
             for g in GRAPH_NAMES
         }
         self.cuda_graphs = CudaGraphCalls(self.device) if self.device.type == "cuda" else None  # None: eager
+        self.padding = {g: BatchPadding.of(g, spec.states, spec.max_batch_size) for g in CAPTURED_GRAPHS}
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -90,7 +91,7 @@ class TorchRunner:
         input_names, output_names = self.names[graph]
         values = [inputs[name] for name in input_names]
         if self.cuda_graphs is not None and graph in CAPTURED_GRAPHS:
-            outputs = self.cuda_graphs.run(graph, body, values)
+            outputs = self.cuda_graphs.run(graph, body, values, self.padding[graph])
         else:
             outputs = body(*(v.to(self.device) for v in values))
         return {name: value if name.endswith("_rows") else value.cpu() for name, value in zip(output_names, outputs, strict=True)}

@@ -4,12 +4,12 @@ Written against the real TensorRT Python API and type-checked with mypy against 
 layer is); TensorRT cannot be installed where this toolkit is developed, so it has never run. Per graph: one
 deserialized engine (the dflash plugins registered first); per call: input shapes set from the tensors (within the
 plans' optimization profiles), inputs and outputs as CUDA torch tensors bound by address, `execute_async_v3` on the
-current torch stream. The batched graphs (step, verify, decode) are captured as CUDA graphs per input shape and
-replayed (`cuda_graphs.CudaGraphCalls`, as the torch-cuda backend's are): each captured shape has its own execution
-context, since a captured graph keeps the shapes and addresses its context had, and every context uses one shared
-activation buffer (calls never run at the same time). The rows a graph computes for the state pool stay on the GPU
-(the engine writes them into the pool there); the other outputs come back to the CPU for the scheduler. Not done:
-binding the pool's own rows as outputs (in-place aliasing).
+current torch stream. The batched graphs (step, verify, decode) are padded to a bucket of rows (within the profiles'
+batch range), captured as CUDA graphs per input shape and replayed (`cuda_graphs.CudaGraphCalls`, as the torch-cuda
+backend's are): each captured shape has its own execution context, since a captured graph keeps the shapes and
+addresses its context had, and every context uses one shared activation buffer (calls never run at the same time).
+The rows a graph computes for the state pool stay on the GPU (the engine writes them into the pool there); the other
+outputs come back to the CPU for the scheduler. Not done: binding the pool's own rows as outputs (in-place aliasing).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from dflash_trt.runtime.cuda_graphs import CAPTURED_GRAPHS, CudaGraphCalls
+from dflash_trt.runtime.cuda_graphs import CAPTURED_GRAPHS, BatchPadding, CudaGraphCalls
 from dflash_trt.runtime.engine import EngineSpec
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 
@@ -77,13 +77,14 @@ class TensorRTRunner:
         self.activations = torch.empty(activation_bytes, dtype=torch.uint8, device=device)  # every context's scratch
         self.contexts: dict[tuple[str, object], trt.IExecutionContext] = {}
         self.cuda_graphs: CudaGraphCalls | None = CudaGraphCalls(device)  # None: eager
+        self.padding = {g: BatchPadding.of(g, spec.states, spec.max_batch_size) for g in CAPTURED_GRAPHS}  # the profiles' max
 
     @torch.inference_mode()
     def run(self, graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         input_names, output_names = self.names[graph]
         values = [inputs[name] for name in input_names]
         if self.cuda_graphs is not None and graph in CAPTURED_GRAPHS:
-            outputs = self.cuda_graphs.run(graph, partial(self._execute_captured, graph), values)
+            outputs = self.cuda_graphs.run(graph, partial(self._execute_captured, graph), values, self.padding[graph])
         else:  # prefill (its shapes follow each prompt): one context per graph, its shapes set per call
             outputs = self._execute(graph, self._context(graph, None), *(v.to(self.device) for v in values))
         return {name: value if name.endswith("_rows") else value.cpu() for name, value in zip(output_names, outputs, strict=True)}

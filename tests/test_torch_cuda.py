@@ -79,3 +79,56 @@ def test_cuda_graphs_are_refused_off_a_cuda_device() -> None:
 
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, not cpu"):
         CudaGraphCalls(torch.device("cpu"))
+
+
+def test_batch_buckets_are_powers_of_two_then_multiples_of_eight_within_the_limit() -> None:
+    from dflash_trt.runtime.cuda_graphs import BatchPadding
+
+    padding = BatchPadding((0,), (0,), limit=64)
+    rows = [1, 2, 3, 5, 8, 9, 13, 16, 17, 57, 64, 65]
+    assert [padding.bucket(r) for r in rows] == [1, 2, 4, 8, 8, 16, 16, 16, 24, 64, 64, 65]
+    assert BatchPadding((0,), (0,), limit=12).bucket(9) == 12  # a plan's profile ends at the build's batch limit
+
+
+class EagerCaptures:
+    """What the GPU runners call for their batched graphs (`CudaGraphCalls.run`), run eagerly: the batch padding it
+    applies, without CUDA."""
+
+    def __init__(self) -> None:
+        self.rows_run: list[int] = []
+
+    def run(self, name: str, body, values, padding):  # type: ignore[no-untyped-def]
+        def eager(padded: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            self.rows_run.append(int(padded[0].shape[0]))
+            return body(*padded)
+
+        return padding.call(eager, values)
+
+
+def test_padded_batches_give_every_sequence_the_tokens_of_unpadded_ones(torch_repo: Path) -> None:
+    """The runner pads a batched call to its bucket (5 sequences run as 8, repeating the first row) and cuts the
+    outputs back before the engine writes rows into the pool: every sequence gets the tokens it gets unpadded, greedy
+    or sampled, drafting or plain."""
+    from dflash_trt.runtime.loop import Sequence
+    from dflash_trt.runtime.scheduler import FixedVerify, PlainDecoding, Scheduler
+
+    prompts = [*PROMPTS, [11, 12, 13, 14], [40, 41]]
+    greedy = SamplingParams()
+    samplings = [SamplingParams(0.8, top_k=20, seed=3), greedy, greedy, greedy, SamplingParams(1.0, seed=5)]  # row 0 padded
+
+    def batched(engine, policy) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        scheduler = Scheduler(engine, policy)
+        sequences = [Sequence(p, 24, s) for p, s in zip(prompts, samplings, strict=True)]
+        for sequence in sequences:
+            scheduler.submit(sequence)
+        while scheduler.busy:
+            scheduler.step()
+        return [s.tokens for s in sequences]
+
+    unpadded, _ = load_engine(torch_repo, device="cpu")
+    padded, _ = load_engine(torch_repo, device="cpu")
+    captures = EagerCaptures()
+    padded.runner.cuda_graphs = captures  # type: ignore[attr-defined]
+    for policy in (lambda: FixedVerify(unpadded.block_size - 1), PlainDecoding):
+        assert batched(padded, policy()) == batched(unpadded, policy())
+    assert 8 in captures.rows_run and set(captures.rows_run) <= {1, 2, 4, 8}

@@ -3,12 +3,12 @@
 2.51's Python backend answers with empty outputs). Run here, on a machine with network and this project's .venv
 (nvidia-pytriton installed):  python scripts/gpu_carry.py   It writes
 
-  .gpu-carry/pair/         the tests' tiny pair and its CPU engine's outputs (gpu_check.py --prepare, ~3 CPU minutes)
-  .gpu-carry/env.tar.xz    wheels of what the GPU machine's Python lacks to import dflash_trt, NumPy < 2 among them
-                           (tests left out), which gpu_check.sh installs into it
-  .gpu-carry/site.tar.xz   a site-packages tree for PYTHONPATH: pytriton's tritonserver (server, Python backend, the
-                           stub for the GPU machine's Python, the bundled libraries they load, found by their ELF
-                           NEEDED entries, symbols stripped), tritonclient and its compiled dependencies
+  .gpu-carry/pair/               the tests' tiny pair and its CPU engine's outputs (gpu_check.py --prepare, ~3 CPU minutes)
+  .gpu-carry/env-py3.12.tar.xz   wheels of what the GPU machine's Python lacks to import dflash_trt, NumPy < 2 among them
+                                 (tests left out), which gpu_check.sh installs into it
+  .gpu-carry/site-py3.12.tar.xz  a site-packages tree for PYTHONPATH: pytriton's tritonserver (server, Python backend, the
+                                 stub for the GPU machine's Python, the bundled libraries they load, found by their
+                                 ELF NEEDED entries, symbols stripped), tritonclient and its compiled dependencies
 
 and fails if the repository's tree and .gpu-carry together pass what the device tool moves (64 MiB).
 """
@@ -140,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         env.mkdir()
         for wheel in download_wheels(ENV_PACKAGES, args.python, downloads):
             stored_wheel(wheel, env)
-        write_tar_xz(env, args.output / "env.tar.xz")
+        write_tar_xz(env, args.output / f"env-py{args.python}.tar.xz")
         unpacked_wheels(SITE_PACKAGES, args.python, site)
         add_server(args.python, site)
-        write_tar_xz(site, args.output / "site.tar.xz")
+        write_tar_xz(site, args.output / f"site-py{args.python}.tar.xz")
     carried = sum(p.stat().st_size for p in args.output.rglob("*") if p.is_file())
     total = carried + tree_bytes()
     log(f".gpu-carry {carried / 2**20:.1f} MiB + working tree = {total / 2**20:.1f} MiB (the device tool moves 64)")

@@ -7,23 +7,25 @@
 # torch stays) unless it is there already, so tritonserver's Python-backend stubs import it as they import torch.
 # A GPU machine without network gets what it lacks from .gpu-carry/, which `python scripts/gpu_carry.py` prepares on
 # a machine that has network (under the device tool's 64 MiB with the repository): pair/ (the tiny pair and its CPU
-# engine's outputs), env.tar.xz (wheels installed into $PYTHON's environment: NumPy < 2, pydantic ...), site.tar.xz
-# (for the served check only, kept out of that environment: pytriton's tritonserver, tritonclient).
+# engine's outputs), env-pyX.Y.tar.xz (wheels installed into $PYTHON's environment: NumPy < 2, pydantic ...) and
+# site-pyX.Y.tar.xz (for the served check only, kept out of that environment: pytriton's tritonserver,
+# tritonclient), each used only where $PYTHON is that version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 install=(-m pip install -q --no-index --no-deps --no-compile)
+version=$("$PYTHON" -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 scratch=/tmp/dflash-gpu-carry
 site=$scratch/site
 mkdir -p "$scratch/env" "$site"
 if ! "$PYTHON" -c 'import dflash_trt.runtime' 2> /dev/null; then
-  if [ -f .gpu-carry/env.tar.xz ]; then
-    tar -xJf .gpu-carry/env.tar.xz -C "$scratch/env"
+  if [ -f ".gpu-carry/env-py$version.tar.xz" ]; then
+    tar -xJf ".gpu-carry/env-py$version.tar.xz" -C "$scratch/env"
     "$PYTHON" "${install[@]}" "$scratch"/env/*.whl
   fi
   "$PYTHON" "${install[@]}" --no-build-isolation .
 fi
-[ -f .gpu-carry/site.tar.xz ] && tar -xJf .gpu-carry/site.tar.xz -C "$site"
+[ -f ".gpu-carry/site-py$version.tar.xz" ] && tar -xJf ".gpu-carry/site-py$version.tar.xz" -C "$site"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$site
 pair=()
 [ -f .gpu-carry/pair/expected.json ] && pair=(--pair .gpu-carry/pair)

@@ -2,6 +2,7 @@
 
 1. prompt sets ("code": standard-library functions; "prose": writing tasks; disjoint from HumanEval/MT-Bench)
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
+   (torch, or with --generate-with REPO that target's ONNX Runtime engine: plain batched decoding, faster on CPUs)
 3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
 4. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens
                                                                                    (resumable: OUTPUT/checkpoint.pt)
@@ -23,9 +24,14 @@ from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import DrafterNetwork, load_target
+from dflash_trt.builder.repository import checkpoint_hashes
 from dflash_trt.builder.train_data import CORPORA, PROMPT_SETS, corpus_windows
 from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
+from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.prompts import encode_prompt
+from dflash_trt.runtime.repository import engine_dir_of, load_engine, read_manifest
+from dflash_trt.runtime.sampling import RequestError
+from dflash_trt.runtime.scheduler import PlainDecoding, Scheduler
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -33,34 +39,92 @@ def log(message: str) -> None:
     print(f"[dflash-train] {message}", file=sys.stderr, flush=True)
 
 
+Responder = Callable[[list[list[int]], int], list[torch.Tensor]]  # (prompts, max_new_tokens) -> prompt + answer each
+
+
+class GenerationProgress:
+    """A log line per batch of finished answers, with the rate so far."""
+
+    def __init__(self, total: int, max_new_tokens: int) -> None:
+        self.total, self.max_new_tokens, self.began = total, max_new_tokens, time.perf_counter()
+
+    def report(self, done: int) -> None:
+        rate = done * self.max_new_tokens / (time.perf_counter() - self.began)
+        log(f"generated {done}/{self.total} responses ({rate:.0f} response tok/s)")
+
+
+def torch_responder(target_dir: Path, batch_size: int) -> Responder:
+    """The target in torch (float32) answers `batch_size` prompts at a time (see generate_responses)."""
+
+    def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+        target = load_target(target_dir, dtype=torch.float32)
+        progress, sequences = GenerationProgress(len(prompts), max_new_tokens), []
+        for first in range(0, len(prompts), batch_size):
+            sequences.extend(generate_responses(target, prompts[first : first + batch_size], max_new_tokens))
+            progress.report(len(sequences))
+        return sequences
+
+    return respond
+
+
+def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responder:
+    """The target's engine in a dflash-build output answers with plain batched greedy decoding over `slots` slots,
+    prompts joining as others finish. Only an engine of this very target (same checkpoint bytes), unquantized and
+    in float32, is taken: its answers are then the target's greedy answers, as torch's are (up to CPU kernels'
+    rounding at near ties, as on another machine)."""
+    try:
+        manifest = read_manifest(engine_dir_of(repository))
+    except FileNotFoundError as error:
+        raise CheckpointError(f"--generate-with {repository}: {error}") from None
+    built_from = manifest["target"]
+    if built_from["sha256"] != checkpoint_hashes(target_dir):
+        raise CheckpointError(
+            f"--generate-with {repository} was built from another target ({built_from['source']}) than {target_dir}: "
+            "its answers would not be this target's; pass a repository that dflash-build made from this target"
+        )
+    mode, dtype = manifest.get("quantization", {}).get("mode", "none"), manifest["engine"]["dtype"]
+    if (mode, dtype) != ("none", "float32"):
+        raise CheckpointError(
+            f"--generate-with {repository} holds a {dtype} engine quantized as '{mode}': its answers are not the "
+            "float32 target's; build one with --dtype float32 --quantize none (the drafter may be quantized)"
+        )
+
+    log(f"answers come from the engine in {repository} ({slots} slots, plain batched greedy decoding)")
+
+    def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+        engine, _ = load_engine(repository, max_batch=slots, reuse_prefixes=False)
+        scheduler = Scheduler(engine, PlainDecoding())
+        answers = [Sequence(prompt, max_new_tokens) for prompt in prompts]
+        try:
+            for answer in answers:
+                scheduler.submit(answer)
+        except RequestError as error:
+            raise CheckpointError(f"--generate-with {repository}: {error}") from None
+        progress, done, next_report = GenerationProgress(len(prompts), max_new_tokens), 0, min(slots, len(prompts))
+        while scheduler.busy:
+            done += sum(sequence.finished for sequence, _ in scheduler.step())
+            if done >= next_report:  # a line per `slots` answers, as torch's per batch
+                progress.report(done)
+                next_report = min(done + slots, len(prompts))
+        return [torch.tensor(answer.prompt + answer.tokens) for answer in answers]
+
+    return respond
+
+
 def generate_data(
-    target_dir: Path, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int, batch_size: int
+    respond: Responder, tokenizer: PreTrainedTokenizerBase, prompts: list[str], max_new_tokens: int
 ) -> dict[str, Any]:
-    """The target's greedy responses; prompts sorted by token length and batched (see generate_responses). The
-    record keeps the prompts and length it was made from, so a cache can be checked against a later run."""
-    target = load_target(target_dir, dtype=torch.float32)
+    """The target's greedy responses to prompts sorted by token length. The record keeps the prompts and length it
+    was made from, so a cache can be checked against a later run."""
     encoded = sorted((encode_prompt(tokenizer, text) for text in prompts), key=len)
-    sequences: list[torch.Tensor] = []
-    began = time.perf_counter()
-    for first in range(0, len(encoded), batch_size):
-        batch = encoded[first : first + batch_size]
-        sequences.extend(generate_responses(target, batch, max_new_tokens))
-        rate = len(sequences) * max_new_tokens / (time.perf_counter() - began)
-        log(f"generated {len(sequences)}/{len(encoded)} responses ({rate:.0f} response tok/s)")
     return {
-        "sequences": sequences, "prompt_lengths": [len(ids) for ids in encoded],
+        "sequences": respond(encoded, max_new_tokens), "prompt_lengths": [len(ids) for ids in encoded],
         "prompts": prompts, "max_new_tokens": max_new_tokens,
     }  # fmt: skip
 
 
 def load_or_generate(
-    output: Path,
-    set_name: str,
-    target_dir: Path,
-    tokenizer: PreTrainedTokenizerBase,
-    max_new_tokens: int,
-    batch_size: int,
-    num_prompts: int,
+    output: Path, set_name: str, respond: Responder, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, num_prompts: int
 ) -> dict[str, Any]:
     """One prompt set's responses, generated once and cached in output/data-SET.pt (a set is generated on its own,
     so adding a set never changes another set's data). A cache made from other prompts or another length is refused."""
@@ -84,7 +148,7 @@ def load_or_generate(
         log(f"reusing {len(data['sequences'])} generated '{set_name}' responses from {path}")
         return data
     log(f"the target answers {len(prompts)} '{set_name}' prompts ({max_new_tokens} tokens each) ...")
-    data = generate_data(target_dir, tokenizer, prompts, max_new_tokens, batch_size)
+    data = generate_data(respond, tokenizer, prompts, max_new_tokens)
     torch.save(data, path)
     return data
 
@@ -155,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-tokens", type=int, default=262144, help="tokens taken from each corpus")
     parser.add_argument("--corpus-window", type=int, default=512, help="tokens per corpus sequence")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--generation-batch", type=int, default=32, help="prompts answered together")
+    parser.add_argument(
+        "--generation-batch", type=int, default=32, help="prompts answered together (with --generate-with: the engine's slots)"
+    )
+    parser.add_argument(
+        "--generate-with", type=Path, metavar="REPO",
+        help="a dflash-build output of this target (float32, --quantize none): its engine answers the prompts, by plain "
+        "batched greedy decoding (on a 2-core CPU ~3x torch's rate); default: the target in torch",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--sequences-per-step", type=int, default=4)
@@ -180,10 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         args.output.mkdir(parents=True, exist_ok=True)
         sequences: list[torch.Tensor] = []
         prompt_lengths: list[int] = []
+        if args.generate_with is None:
+            respond = torch_responder(target_dir, args.generation_batch)
+        else:
+            respond = engine_responder(args.generate_with, target_dir, args.generation_batch)
         for set_name in args.prompt_sets:
-            data = load_or_generate(
-                args.output, set_name, target_dir, tokenizer, args.max_new_tokens, args.generation_batch, args.num_prompts
-            )
+            data = load_or_generate(args.output, set_name, respond, tokenizer, args.max_new_tokens, args.num_prompts)
             sequences += data["sequences"]
             prompt_lengths += data["prompt_lengths"]
         for corpus in args.corpus:

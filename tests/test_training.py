@@ -1,7 +1,8 @@
 """dflash-train: batched data generation equals one-prompt-at-a-time greedy decoding, batched taps equal
 single-sequence taps, labels are the target's greedy tokens and only slots greedy decoding reaches are trained,
 corpora are cut into windows from every text, the CLI writes a z-lab drafter, resumes from its checkpoint as if
-never stopped and is reproducible, and its prompts are the same in every process."""
+never stopped and is reproducible, a built engine generates the same data as torch, and its prompts are the same
+in every process."""
 
 from __future__ import annotations
 
@@ -224,6 +225,32 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     assert dflash_train(["--target", str(target), "--output", str(tmp_path / "a"), "--num-prompts", "6",
                          "--max-new-tokens", "24", "--mask-token-id", "95", "--steps", "1"]) == 2  # fmt: skip
     assert "answers other 'code' prompts than this dflash-train makes (1 of 6 differ; the first is #2" in capsys.readouterr().err
+
+
+def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets_engine(
+    tiny_targets: dict[str, Path], tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--generate-with answers the prompts by the built engine's plain batched decoding (7 prompts over 3 slots:
+    prompts join as others finish): every response equals torch's token for token."""
+
+    def run(target: Path, output: str, *extra: str) -> int:
+        return dflash_train(["--target", str(target), "--output", str(tmp_path / output), "--prompt-sets", "code",
+                             "--num-prompts", "7", "--max-new-tokens", "20", "--generation-batch", "3", "--layers", "1",
+                             "--steps", "1", "--anchors", "2", "--mask-token-id", "95", *extra])  # fmt: skip
+
+    assert run(tiny_targets["qwen3"], "torch") == 0
+    assert run(tiny_targets["qwen3"], "engine", "--generate-with", str(tiny_repo)) == 0
+    log = capsys.readouterr().err
+    assert f"answers come from the engine in {tiny_repo} (3 slots" in log and "generated 7/7 responses" in log
+    by_torch, by_engine = (torch.load(tmp_path / side / "data-code.pt") for side in ("torch", "engine"))
+    assert by_engine["prompt_lengths"] == by_torch["prompt_lengths"]
+    for answer, expected in zip(by_engine["sequences"], by_torch["sequences"], strict=True):
+        assert answer.dtype == expected.dtype and answer.tolist() == expected.tolist()
+
+    assert run(tiny_targets["llama"], "other", "--generate-with", str(tiny_repo)) == 2
+    assert "was built from another target" in capsys.readouterr().err
+    assert run(tiny_targets["qwen3"], "none", "--generate-with", str(tmp_path)) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
 
 
 def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:

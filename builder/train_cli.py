@@ -2,7 +2,7 @@
 
 1. prompt sets ("code": standard-library functions; "prose": writing tasks; disjoint from HumanEval/MT-Bench)
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
-   (torch, or with --generate-with REPO that target's ONNX Runtime engine: plain batched decoding, faster on CPUs)
+   (torch, or with --generate-with REPO that target's built engine: plain batched decoding, faster on CPUs)
 3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
 4. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens
                                                                                    (resumable: OUTPUT/checkpoint.pt)
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -54,10 +55,12 @@ class GenerationProgress:
 
 
 def torch_responder(target_dir: Path, batch_size: int) -> Responder:
-    """The target in torch (float32) answers `batch_size` prompts at a time (see generate_responses)."""
+    """The target in torch (float32, loaded once, when a set first needs answers) answers `batch_size` prompts at a
+    time (see generate_responses)."""
+    load = functools.cache(lambda: load_target(target_dir, dtype=torch.float32))
 
     def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
-        target = load_target(target_dir, dtype=torch.float32)
+        target = load()
         progress, sequences = GenerationProgress(len(prompts), max_new_tokens), []
         for first in range(0, len(prompts), batch_size):
             sequences.extend(generate_responses(target, prompts[first : first + batch_size], max_new_tokens))
@@ -69,9 +72,9 @@ def torch_responder(target_dir: Path, batch_size: int) -> Responder:
 
 def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responder:
     """The target's engine in a dflash-build output answers with plain batched greedy decoding over `slots` slots,
-    prompts joining as others finish. Only an engine of this very target (same checkpoint bytes), unquantized and
-    in float32, is taken: its answers are then the target's greedy answers, as torch's are (up to CPU kernels'
-    rounding at near ties, as on another machine)."""
+    prompts joining as others finish (the engine loaded once, when a set first needs answers). Only an engine of
+    this very target (same checkpoint bytes), unquantized and in float32, is taken: its answers are then the
+    target's greedy answers, as torch's are (up to CPU kernels' rounding at near ties, as on another machine)."""
     try:
         manifest = read_manifest(engine_dir_of(repository))
     except FileNotFoundError as error:
@@ -90,10 +93,10 @@ def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responde
         )
 
     log(f"answers come from the engine in {repository} ({slots} slots, plain batched greedy decoding)")
+    load = functools.cache(lambda: load_engine(repository, max_batch=slots, reuse_prefixes=False)[0])  # once, when needed
 
     def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
-        engine, _ = load_engine(repository, max_batch=slots, reuse_prefixes=False)
-        scheduler = Scheduler(engine, PlainDecoding())
+        scheduler = Scheduler(load(), PlainDecoding())
         answers = [Sequence(prompt, max_new_tokens) for prompt in prompts]
         try:
             for answer in answers:

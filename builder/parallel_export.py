@@ -96,14 +96,21 @@ def _trace(name: str) -> tuple[Path, dict[str, ParameterRef]]:
     assert _TRACING is not None, "workers are forked from traced_in_parallel"
     graphs, spec, parameters, scratch = _TRACING
     began = time.perf_counter()
-    print(f"[dflash-build] exporting the {name} graph to ONNX ...", file=sys.stderr, flush=True)
+    _report(f"[dflash-build] exporting the {name} graph to ONNX ...")
     model = export_graph(graphs, spec, name)
     refs = detach_parameters(model, parameters)
     path = scratch / f"{name}.onnx"
     path.write_bytes(ir.serde.serialize_model(model).SerializeToString())
     seconds = time.perf_counter() - began
-    print(f"[dflash-build]   {name}: {len(model.graph)} nodes in {seconds:.1f} s", file=sys.stderr, flush=True)
+    _report(f"[dflash-build]   {name}: {len(model.graph)} nodes in {seconds:.1f} s")
     return path, refs
+
+
+def _report(line: str) -> None:
+    """One progress line from a worker, in one write: `print` writes the text and its newline apart, so two workers'
+    lines could run together ("... ONNX ...[dflash-build] exporting ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 @contextmanager

@@ -200,6 +200,8 @@ def calibrate(
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
     if not 2 <= block_size <= 64:
         raise ValueError(f"--block-size {block_size} must be in [2, 64]")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: give a thread count, or 0 for one per core")
     if not 1 <= args.max_batch_size <= 1024:
         raise ValueError(f"--max-batch-size {args.max_batch_size} must be in [1, 1024]")
     if not block_size < args.max_seq_len <= max_positions - block_size:

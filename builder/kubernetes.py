@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from dflash_trt.runtime.options import require_at_least
 
 HTTP_PORT, GRPC_PORT, METRICS_PORT, OPENAI_PORT = 8000, 8001, 8002, 9000
 PRESTOP_SECONDS = 15  # endpoints and balancers stop routing to a terminating pod before tritonserver sees SIGTERM
@@ -470,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--kubernetes", nargs="+", default=["1.30", "1.37"], help="versions to validate against")
     check.add_argument("--crds", type=Path, help="a directory of CustomResourceDefinition YAML files")
     args = parser.parse_args(argv)
+    if args.command == "k8s":
+        require_at_least(parser, {"--replicas": (args.replicas, 1), "--gpus": (0 if args.gpus is None else args.gpus, 0)})
     try:
         if args.command == "k8s":
             deployment = Deployment(args.repo, args.image, args.name, args.replicas, args.gpus, args.models_image,

@@ -29,6 +29,7 @@ from dflash_trt.builder.repository import checkpoint_hashes
 from dflash_trt.builder.train_data import CORPORA, PROMPT_SETS, corpus_windows
 from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
 from dflash_trt.runtime.loop import Sequence
+from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import encode_prompt
 from dflash_trt.runtime.repository import engine_dir_of, load_engine, read_manifest
 from dflash_trt.runtime.sampling import RequestError
@@ -197,6 +198,25 @@ def save_checkpoint(
     os.replace(partial, path)  # a checkpoint is whole or absent
 
 
+def training_limits(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Each numeric option's least value (`require_at_least`): checked before the data's generation, which alone can
+    take an hour."""
+    return {
+        "--layers": (args.layers, 1),
+        "--taps": (args.taps, 0),
+        "--block-size": (args.block_size, 2),
+        "--num-prompts": (args.num_prompts, 0),
+        "--corpus-tokens": (args.corpus_tokens, 1),
+        "--corpus-window": (args.corpus_window, 2),
+        "--max-new-tokens": (args.max_new_tokens, 1),
+        "--generation-batch": (args.generation_batch, 1),
+        "--steps": (args.steps, 1),
+        "--sequences-per-step": (args.sequences_per_step, 1),
+        "--anchors": (args.anchors, 1),
+        "--save-every": (args.save_every, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -243,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="dtype of the written drafter")
     args = parser.parse_args(argv)
+    require_at_least(parser, training_limits(args))
+    if args.learning_rate <= 0:
+        parser.error(f"--learning-rate {args.learning_rate}: give a positive rate (default 3e-3)")
     torch.manual_seed(args.seed)
     try:
         target_dir = resolve_checkpoint(args.target)

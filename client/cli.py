@@ -14,6 +14,7 @@ from dflash_trt.client.triton_client import (
     http_generate_stream,
     stream_text,
 )
+from dflash_trt.runtime.options import require_at_least
 
 
 def format_stats(last: dict[str, object], timing: Timing) -> str:
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeded requests resume where they broke, 0 turns it off (default %(default)s)",
     )
     args = parser.parse_args(argv)
+    require_at_least(parser, {"--max-tokens": (args.max_tokens, 1), "--retries": (args.retries, 0)})
     request = Request(
         args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, None, tuple(args.stop), not args.no_stream
     )
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             pieces = (
                 http_generate_stream(url, args.prompt, request, timing)
                 if args.http
-                else stream_text(url, args.prompt, request, timing, Retry(tries=1 + max(args.retries, 0)))
+                else stream_text(url, args.prompt, request, timing, Retry(tries=1 + args.retries))
             )
             for piece in pieces:
                 print(piece["text"], end="", flush=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, stream_text, stream_tokens
+from dflash_trt.runtime.options import port_number, require_at_least
 from pydantic import BaseModel, ConfigDict, Field
 
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
@@ -305,13 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC host:port, or a fleet balancer's")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--port", type=port_number, default=9000)
     parser.add_argument("--served-model-name", help="the model id clients send (default: the target's directory name)")
     parser.add_argument("--default-max-tokens", type=int, default=16, help="when a request sets none (OpenAI's default: 16)")
     parser.add_argument(
         "--tokenizer", help="the target's tokenizer (a directory or hub id): needed for a --backend trtllm repository"
     )
     args = parser.parse_args(argv)
+    require_at_least(parser, {"--default-max-tokens": (args.default_max_tokens, 1)})
     try:
         frontend = Frontend(args.repo, args.triton_url, args.served_model_name, args.default_max_tokens, args.tokenizer)
     except (FileNotFoundError, KeyError, OSError) as failure:

@@ -32,10 +32,11 @@ from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_reposito
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table, slots_for
-from dflash_trt.runtime.loop import Generation, generate, generate_plain
+from dflash_trt.runtime.loop import Generation, generate, generate_plain, validate_request
+from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
-from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
+from dflash_trt.runtime.sampling import RequestError, SamplingParams, SamplingTensors
 from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, FixedVerify, VerifyPolicy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -181,6 +182,17 @@ def verify_policy(engine: GraphEngine, verify: str) -> VerifyPolicy:
     return policy
 
 
+def concurrency_levels(option: str, parser: argparse.ArgumentParser) -> list[int]:
+    """--concurrency "1,4,16" -> [1, 4, 16]; anything but positive whole numbers is a usage error."""
+    try:
+        levels = [int(level) for level in option.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        parser.error(f"--concurrency {option!r}: give comma-separated client counts of at least 1, e.g. 1,4,16,64")
+    return levels
+
+
 def run_engine(
     engine: GraphEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, policy: VerifyPolicy
 ) -> EngineRuns:
@@ -296,7 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
 
-    levels = [int(c) for c in args.concurrency.split(",")] if args.concurrency else []
+    levels = concurrency_levels(args.concurrency, parser) if args.concurrency else []
+    limits = {"--num-prompts": (args.num_prompts, 1), "--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
+    if args.threads is not None:
+        limits["--threads"] = (args.threads, 0)  # 0: one per core
+    require_at_least(parser, limits)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round")
     if args.requests_per_client < 1:
@@ -310,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         # One prompt at a time, plain then DFlash: each prefills whole, so their times to first token compare the
         # modes (DFlash would otherwise start from the rows plain decoding just left).
         engine, manifest = load_engine(args.repo, args.threads, slots_for(levels) if levels else 1, reuse_prefixes=bool(levels))
-    except RuntimeError as refusal:  # a repository this runtime cannot run here, with what to do
+    except (FileNotFoundError, RuntimeError) as refusal:  # no engine there, or one this runtime cannot run here
         parser.error(str(refusal))
     if args.block_size is not None and args.block_size != engine.block_size:
         parser.error(
@@ -325,6 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
     prompts = [encode_prompt(tokenizer, text) for text in texts]
+    for number, prompt in enumerate(prompts, 1):
+        try:
+            validate_request(prompt, args.max_tokens, engine, sampling)
+        except RequestError as error:
+            parser.error(f"prompt {number} of --dataset {args.dataset}: {error}")
     greedy = args.temperature == 0
 
     if levels:

@@ -27,9 +27,10 @@ from dflash_trt.builder.repository import TOKENIZER_DIR
 from dflash_trt.runtime.engine import GraphEngine, StepBatch
 from dflash_trt.runtime.loop import generate_plain
 from dflash_trt.runtime.onnxruntime_runner import OnnxRuntimeRunner
+from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt
 from dflash_trt.runtime.repository import engine_bytes, engine_dir_of, load_engine
-from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
+from dflash_trt.runtime.sampling import RequestError, SamplingParams, SamplingTensors
 from transformers import AutoTokenizer
 
 LOGITS = "logits"  # the name the exposed LM-head output is returned under
@@ -93,6 +94,9 @@ def perplexity(engine: GraphEngine, token_windows: list[list[int]]) -> tuple[flo
 
 def text_windows(paths: list[Path], tokenizer: Any, window: int, limit: int) -> list[list[int]]:
     """Held-out text (files, or every .md file of a directory) cut into `limit` windows of `window` tokens."""
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise ValueError(f"--text {', '.join(missing)}: no such file or directory")
     files = [f for p in paths for f in (sorted(p.glob("*.md")) if p.is_dir() else [p])]
     tokens = [t for f in files for t in tokenizer(f.read_text(), add_special_tokens=False)["input_ids"]]
     windows = [tokens[i : i + window] for i in range(0, len(tokens) - window + 1, window)][:limit]
@@ -136,10 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-
-    tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
-    engine = logits_engine(args.repo, args.threads)
-    windows = text_windows(args.text or [DEFAULT_TEXT], tokenizer, args.window, args.windows)
+    limits = {"--window": (args.window, 2), "--windows": (args.windows, 1), "--max-tokens": (args.max_tokens, 1)}
+    require_at_least(parser, {**limits, "--num-prompts": (args.num_prompts, 1)})
+    try:  # engines first: a path that holds none is refused before anything reads from it
+        engine = logits_engine(args.repo, args.threads)
+        reference = logits_engine(args.reference, args.threads) if args.reference else None
+        if args.window > engine.max_seq_len:
+            raise ValueError(f"--window {args.window} exceeds the engine's maximum sequence length {engine.max_seq_len}")
+        tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
+        windows = text_windows(args.text or [DEFAULT_TEXT], tokenizer, args.window, args.windows)
+    except (FileNotFoundError, RuntimeError, ValueError) as error:
+        parser.error(str(error))
     ppl, predicted = perplexity(engine, windows)
     results: dict[str, Any] = {
         "repo": str(args.repo),
@@ -147,13 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         "perplexity": ppl,
         "perplexity_tokens": predicted,
     }
-    if args.reference:
-        reference, _ = load_engine(args.reference, args.threads, max_batch=1)
+    if reference is not None:
         texts = [*dataset_prompts("humaneval", args.num_prompts), *dataset_prompts("mt-bench", args.num_prompts)]
-        agreement = top1_agreement(engine, reference, [encode_prompt(tokenizer, t) for t in texts], args.max_tokens)
+        try:
+            agreement = top1_agreement(engine, reference, [encode_prompt(tokenizer, t) for t in texts], args.max_tokens)
+        except RequestError as error:  # a prompt and --max-tokens that do not fit the reference
+            parser.error(f"--max-tokens {args.max_tokens}: {error}")
         results.update(top1_agreement=agreement.rate, top1_positions=agreement.positions)
         results["reference_engine_bytes"] = engine_bytes(args.reference)
-        results["reference_perplexity"] = perplexity(logits_engine(args.reference, args.threads), windows)[0]
+        results["reference_perplexity"] = perplexity(reference, windows)[0]
     for key, value in results.items():
         print(f"{key:<24}  {value:.4f}" if isinstance(value, float) else f"{key:<24}  {value}")
     if args.json:

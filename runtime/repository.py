@@ -21,7 +21,10 @@ def read_manifest(engine_dir: Path) -> dict[str, Any]:
     if not path.is_file() and (engine_dir / MANIFEST).is_file():
         path = engine_dir / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{engine_dir} has no manifest.json: it is not a (complete) dflash-build engine directory")
+        raise FileNotFoundError(
+            f"{engine_dir} has no manifest.json: it is not a (complete) dflash-build engine directory; build one with "
+            f"dflash-build --output {engine_dir}, or pass the directory dflash-build wrote"
+        )
     manifest: dict[str, Any] = json.loads(path.read_text())
     return manifest
 

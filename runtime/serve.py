@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dflash_trt.builder.embedded import data_dir
 from dflash_trt.builder.repository import UNARY_CONFIG, is_complete_repository, read_repository_manifest
+from dflash_trt.runtime.options import port_number
 from dflash_trt.runtime.repository import check_servable
 
 SYSTEM_TRITON = Path("/opt/tritonserver")
@@ -191,9 +192,9 @@ def kill_server(process: subprocess.Popen[bytes]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__)
     parser.add_argument("repo", type=Path, help="a dflash-build output directory")
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--grpc-port", type=port_number, default=8001)
+    parser.add_argument("--http-port", type=port_number, default=8000)
+    parser.add_argument("--metrics-port", type=port_number, default=8002)
     parser.add_argument(
         "--unary",
         action="store_true",

@@ -214,6 +214,11 @@ def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:
         (["--block-size", "8"], "this engine was built with block size 16; rebuild with dflash-build --block-size 8"),
         (["--dataset", "no-such-file.jsonl"], "is neither builtin, humaneval, mt-bench nor an existing JSON-lines file"),
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),
+        (["--num-prompts", "0"], "--num-prompts 0: give at least 1"),
+        (["--repeats", "0"], "--repeats 0: give at least 1"),
+        (["--concurrency", "1,x"], "--concurrency '1,x': give comma-separated client counts of at least 1"),
+        (["--concurrency", "0"], "--concurrency '0': give comma-separated client counts of at least 1"),
+        (["--max-tokens", "100000"], "prompt 1 of --dataset builtin: prompt ("),
     ],
 )
 def test_bench_rejects_bad_options(options: list[str], message: str, tiny_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -221,6 +226,13 @@ def test_bench_rejects_bad_options(options: list[str], message: str, tiny_repo: 
         dflash_bench(["--repo", str(tiny_repo), *options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_refuses_a_path_without_an_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        dflash_bench(["--repo", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert f"{tmp_path} has no manifest.json" in capsys.readouterr().err
 
 
 def test_bench_rejects_a_prompts_file_without_prompt_fields(

@@ -171,3 +171,57 @@ def test_the_bundled_tritonserver_is_refused_under_numpy_2() -> None:
     with pytest.raises(RuntimeError, match=r"NumPy 2\.5\.2 is installed.*install 'numpy<2'"):
         check_bundled_numpy("2.5.2")
     check_bundled_numpy("1.26.4")  # what dflash-trt installs
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "message"),
+    [
+        ("train", ["--target", "t", "--output", "o", "--steps", "0"], "--steps 0: give at least 1"),
+        ("train", ["--target", "t", "--output", "o", "--anchors", "0"], "--anchors 0: give at least 1"),
+        ("train", ["--target", "t", "--output", "o", "--learning-rate", "-1"], "--learning-rate -1.0: give a positive rate"),
+        ("serve", ["repo", "--grpc-port", "70000"], "argument --grpc-port: '70000' is not a TCP port"),
+        ("serve", ["repo", "--metrics-port", "x"], "argument --metrics-port: 'x' is not a TCP port"),
+        ("openai", ["--repo", "r", "--port", "0"], "argument --port: '0' is not a TCP port"),
+        ("openai", ["--repo", "r", "--default-max-tokens", "0"], "--default-max-tokens 0: give at least 1"),
+        ("deploy", ["k8s", "--repo", "r", "--image", "i", "--output", "o", "--gpus", "-1"], "--gpus -1: give at least 0"),
+        ("deploy", ["k8s", "--repo", "r", "--image", "i", "--output", "o", "--replicas", "0"], "--replicas 0: give at least 1"),
+        ("quality", ["--repo", "r", "--window", "1"], "--window 1: give at least 2"),
+        ("client", ["hello", "--max-tokens", "-3"], "--max-tokens -3: give at least 1"),
+    ],
+)
+def test_command_line_numbers_are_refused_before_any_work(
+    command: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each value is refused at parse time, as a usage error naming it (the paths given do not exist: nothing is read)."""
+    from dflash_trt.builder import kubernetes, train_cli
+    from dflash_trt.client import cli, openai_api
+    from dflash_trt.runtime import quality, serve
+
+    mains = {
+        "train": train_cli.main,
+        "serve": serve.main,
+        "openai": openai_api.main,
+        "deploy": kubernetes.main,
+        "quality": quality.main,
+        "client": cli.main,
+    }
+    with pytest.raises(SystemExit) as exit_info:
+        mains[command](argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_quality_refuses_paths_without_an_engine_or_text(
+    tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dflash_trt.runtime.quality import main as dflash_quality
+
+    for argv, message in [
+        (["--repo", str(tmp_path)], f"{tmp_path} has no manifest.json"),
+        (["--repo", str(tiny_repo), "--text", str(tmp_path / "held-out.md")], "held-out.md: no such file or directory"),
+        (["--repo", str(tiny_repo), "--window", "100000"], "--window 100000 exceeds the engine's maximum sequence length"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            dflash_quality(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

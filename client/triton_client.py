@@ -155,7 +155,7 @@ def grpc_stream(
             client.start_stream(callback=lambda result, error: answers.put((result, error)))
             client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         except grpcclient.InferenceServerException as failure:  # the stream failed before the request went out
-            raise StreamBroken(f"{url}: {failure.message()}") from None
+            raise StreamBroken(f"{url}: {_stream_failure(answers, failure)}") from None
         while True:
             try:
                 result, error = answers.get(timeout=timeout)
@@ -172,6 +172,17 @@ def grpc_stream(
     finally:
         client.stop_stream()
         client.close()
+
+
+def _stream_failure(answers: queue.Queue[tuple[Any, Any]], failure: grpcclient.InferenceServerException) -> str:
+    """Why a stream failed before its request went out. Where the connection failed first, tritonclient hands the
+    cause to the stream's callback and raises only "The stream is no longer in valid state, the error detail is
+    reported through provided callback ..."; the cause is then taken from there."""
+    try:
+        _, error = answers.get(timeout=1.0)
+    except queue.Empty:
+        return str(failure.message())
+    return str(error) if error is not None else str(failure.message())
 
 
 UNITS = {"text": "characters", "tokens": "tokens"}  # what one item of a piece's key is

@@ -140,11 +140,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: the build's setting)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
-    limits = {"--window": (args.window, 2), "--windows": (args.windows, 1), "--max-tokens": (args.max_tokens, 1)}
-    require_at_least(parser, {**limits, "--num-prompts": (args.num_prompts, 1)})
+    require_at_least(
+        parser,
+        {
+            "--window": (args.window, 2),
+            "--windows": (args.windows, 1),
+            "--num-prompts": (args.num_prompts, 1),
+            "--max-tokens": (args.max_tokens, 1),
+        },
+    )
     try:  # engines first: a path that holds none is refused before anything reads from it
         engine = logits_engine(args.repo, args.threads)
-        reference = logits_engine(args.reference, args.threads) if args.reference else None
+        reference = load_engine(args.reference, args.threads, max_batch=1)[0] if args.reference else None
         if args.window > engine.max_seq_len:
             raise ValueError(f"--window {args.window} exceeds the engine's maximum sequence length {engine.max_seq_len}")
         tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--max-tokens {args.max_tokens}: {error}")
         results.update(top1_agreement=agreement.rate, top1_positions=agreement.positions)
         results["reference_engine_bytes"] = engine_bytes(args.reference)
-        results["reference_perplexity"] = perplexity(reference, windows)[0]
+        results["reference_perplexity"] = perplexity(logits_engine(args.reference, args.threads), windows)[0]
     for key, value in results.items():
         print(f"{key:<24}  {value:.4f}" if isinstance(value, float) else f"{key:<24}  {value}")
     if args.json:

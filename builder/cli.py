@@ -53,6 +53,7 @@ from dflash_trt.builder.trtllm_args import TRTLLM_CONTAINER, TRTLLM_RELEASE
 from dflash_trt.builder.trtllm_repository import DYNAMO_IMAGE, ServedPair, llm_args, write_trtllm_repository
 from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
+from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
 from dflash_trt.runtime.scheduler import PREFILL_CHUNK
 from transformers import AutoTokenizer
@@ -151,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"GPU's memory, which sizes the KV cache (default {TRTLLM_GPU_MEMORY})",
     )
     args = parser.parse_args(argv)
+    require_at_least(parser, {"--threads": (args.threads, 0)})  # 0: one per core
     if args.backend != "trtllm" and (args.tp, args.pp, args.ep) != (1, 1, 1):
         parser.error(f"--tp/--pp/--ep shard TensorRT-LLM engines: add --backend trtllm (got --backend {args.backend})")
     if args.output is None and not args.plan:
@@ -200,8 +202,6 @@ def calibrate(
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
     if not 2 <= block_size <= 64:
         raise ValueError(f"--block-size {block_size} must be in [2, 64]")
-    if args.threads < 0:
-        raise ValueError(f"--threads {args.threads}: give a thread count, or 0 for one per core")
     if not 1 <= args.max_batch_size <= 1024:
         raise ValueError(f"--max-batch-size {args.max_batch_size} must be in [1, 1024]")
     if not block_size < args.max_seq_len <= max_positions - block_size:

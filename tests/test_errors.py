@@ -187,12 +187,14 @@ def test_the_bundled_tritonserver_is_refused_under_numpy_2() -> None:
         ("deploy", ["k8s", "--repo", "r", "--image", "i", "--output", "o", "--replicas", "0"], "--replicas 0: give at least 1"),
         ("quality", ["--repo", "r", "--window", "1"], "--window 1: give at least 2"),
         ("client", ["hello", "--max-tokens", "-3"], "--max-tokens -3: give at least 1"),
+        ("build", ["--model", "m", "--output", "o", "--threads", "-2"], "--threads -2: give at least 0"),
     ],
 )
 def test_command_line_numbers_are_refused_before_any_work(
     command: str, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each value is refused at parse time, as a usage error naming it (the paths given do not exist: nothing is read)."""
+    from dflash_trt.builder import cli as build_cli
     from dflash_trt.builder import kubernetes, train_cli
     from dflash_trt.client import cli, openai_api
     from dflash_trt.runtime import quality, serve
@@ -204,6 +206,7 @@ def test_command_line_numbers_are_refused_before_any_work(
         "deploy": kubernetes.main,
         "quality": quality.main,
         "client": cli.main,
+        "build": build_cli.main,
     }
     with pytest.raises(SystemExit) as exit_info:
         mains[command](argv)

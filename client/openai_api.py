@@ -69,7 +69,12 @@ class Sampling(BaseModel):
 
 
 class CompletionBody(Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, one prompt or a list of them
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]  # type: ignore[list-item]  # one prompt: text, or token ids
+        return list(self.prompt)  # type: ignore[arg-type]
 
 
 class Message(BaseModel):
@@ -148,17 +153,27 @@ class Frontend:
         self.url, self.default_max_tokens, self.created = triton_url, default_max_tokens, int(time.time())
 
     def prompt(self, body: CompletionBody | ChatBody) -> tuple[str, list[int]]:
-        """The prompt as text (what a text-level model is sent) and as token ids (counted for `usage`)."""
+        """The prompt as text (what a text-level model is sent) and as token ids (what the token-level model is sent,
+        and what `usage` counts). A prompt given as token ids goes to the token-level model as it is (the server
+        checks them against the vocabulary); a text-level model gets their decoded text."""
         if isinstance(body, ChatBody):
             if not self.tokenizer.chat_template:
                 raise InvalidRequest(f"the model {self.model} has no chat template: use /v1/completions", "messages")
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text = str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
             return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        prompts = body.prompts()
         if len(prompts) != 1:
             raise InvalidRequest(f"{len(prompts)} prompts in one request: send one prompt per request", "prompt")
-        return prompts[0], list(self.tokenizer(prompts[0])["input_ids"])
+        [prompt] = prompts
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        outside = [t for t in prompt if not 0 <= t < len(self.tokenizer)]
+        if outside:
+            raise InvalidRequest(
+                f"prompt token ids {outside[:5]} are not in the tokenizer's vocabulary [0, {len(self.tokenizer)})", "prompt"
+            )
+        return str(self.tokenizer.decode(prompt)), prompt
 
     def generate(self, text: str, ids: list[int], request: Request) -> Iterator[Answered]:
         """Each response from Triton."""
@@ -201,9 +216,8 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
 
     @app.exception_handler(RequestValidationError)
     def invalid_body(_request: Any, exc: RequestValidationError) -> JSONResponse:  # noqa: ANN401
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), "invalid_request_error", param)
+        message, param = body_error(exc.errors()[0])
+        return error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(InvalidRequest)
     def invalid_request(_request: Any, exc: InvalidRequest) -> JSONResponse:  # noqa: ANN401
@@ -214,6 +228,11 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
         if isinstance(exc, StreamBroken):  # no replica could finish it
             return error(503, str(exc), "server_error")
         return error(400, str(exc), "invalid_request_error")  # the model refused the request, saying why
+
+    @app.exception_handler(Exception)
+    def internal_error(_request: Any, exc: Exception) -> JSONResponse:  # noqa: ANN401
+        # Starlette logs the traceback here too (uvicorn's error log) once this answer is sent
+        return error(500, f"dflash-openai failed on this request ({type(exc).__name__}: {exc}); see its log", "server_error")
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -293,6 +312,30 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
         return answer(body, chat=True)
 
     return app
+
+
+FIELD_FORMS = {  # what a field takes, for the fields whose type is a choice of several
+    "prompt": "a string or token ids (a list of integers), or a list of one of those",
+    "stop": "a string or a list of up to 4 strings",
+    "content": "a string or a list of text parts",
+}
+
+
+def body_error(first: dict[str, Any]) -> tuple[str, str | None]:
+    """A request body's first validation error as (message, param). Pydantic names a union's member in the error's
+    location (`prompt.str`, `stop.list[str]`), which says nothing to a client: a field of several forms is named
+    with the forms it takes instead. A body that is not JSON at all names where parsing stopped."""
+    if first.get("type") == "json_invalid":
+        reason, where = first.get("ctx", {}).get("error", "JSON decode error"), first.get("loc", ())[-1]
+        return f"the request body is not valid JSON ({reason} at character {where})", None
+    path: list[str] = []
+    for part in first.get("loc", ())[1:]:  # ("body", field, ...)
+        if isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part):  # a union's member
+            field = next((p for p in reversed(path) if not p.isdigit()), "")
+            return f"{'.'.join(path)}: give {FIELD_FORMS.get(field, 'a value of the documented type')}", ".".join(path)
+        path.append(str(part))
+    param = ".".join(path) or None
+    return (f"{param}: {first.get('msg')}" if param else str(first.get("msg"))), param
 
 
 def _sse(payload: dict[str, Any]) -> str:

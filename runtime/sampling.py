@@ -22,6 +22,19 @@ class RequestError(ValueError):
     """A generation request is invalid; the message names the value and the fix."""
 
 
+def request_text(value: object, name: str) -> str:
+    """A served request's text input (Triton BYTES: bytes; str where a client sent text) as str; bytes that are not
+    UTF-8 are refused with where they break, not failed deep inside the model."""
+    if not isinstance(value, bytes):
+        return str(value)
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise RequestError(
+            f"{name} is not UTF-8 text (byte {value[bad.start]:#04x} at position {bad.start}): send it UTF-8 encoded"
+        ) from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -30,8 +43,8 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> None:
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature={self.temperature} is invalid: use 0 for greedy or a positive value")
+        if not 0 <= self.temperature < float("inf"):
+            raise RequestError(f"temperature={self.temperature} is invalid: use 0 for greedy or a positive finite value")
         if self.top_k < 0:
             raise RequestError(f"top_k={self.top_k} is invalid: use 0 (no limit) or a positive count")
         if not 0 < self.top_p <= 1:

@@ -124,7 +124,13 @@ def test_served_sampling_follows_tensorrt_llm_conventions(
 
 @pytest.mark.parametrize(
     ("fields", "message"),
-    [((-1.0, 5, None), "temperature=-1.0 is invalid"), ((1.0, -2, None), "top_k=-2 is invalid"), ((1.0, 0, 1.5), "top_p=1.5")],
+    [
+        ((-1.0, 5, None), "temperature=-1.0 is invalid"),
+        ((float("inf"), 5, None), "temperature=inf is invalid"),
+        ((float("nan"), 5, None), "temperature=nan is invalid"),
+        ((1.0, -2, None), "top_k=-2 is invalid"),
+        ((1.0, 0, 1.5), "top_p=1.5"),
+    ],
 )
 def test_served_sampling_refuses_bad_values(fields: tuple[float, int, float | None], message: str) -> None:
     with pytest.raises(RequestError, match=message):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,14 +97,42 @@ def test_stop_strings_are_cut_from_the_text(client: openai.OpenAI) -> None:
         assert chunks[-1].choices[0].finish_reason == "stop"  # type: ignore[union-attr]
 
 
+def test_a_prompt_as_token_ids_is_the_same_prompt(client: openai.OpenAI, chat_repo: Path) -> None:
+    """OpenAI's `prompt` may be token ids (one list, or a list holding one): the same completion as the text."""
+    ids = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)(PROMPT)["input_ids"]
+    expected = client.completions.create(model="", prompt=PROMPT, max_tokens=12, temperature=0)
+    for prompt in (ids, [ids]):
+        answer = client.completions.create(model="", prompt=prompt, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == expected.choices[0].text
+        assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
-    [({"n": 2}, "n=2"), ({"temperature": 5}, "temperature"), ({"max_tokens": 100000}, "exceeds the maximum sequence length")],
+    [
+        ({"n": 2}, "n=2"),
+        ({"temperature": 5}, "temperature"),
+        ({"max_tokens": 100000}, "exceeds the maximum sequence length"),
+        ({"stop": 5}, "stop: give a string or a list of up to 4 strings"),
+        ({"prompt": 5}, "prompt: give a string or token ids"),
+        ({"prompt": [3, -4]}, "prompt token ids [-4] are not in the tokenizer's vocabulary"),
+    ],
 )
 def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: dict[str, object], named: str) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model="", prompt=PROMPT, **{"max_tokens": 8, **fields})  # type: ignore[call-overload]
+        client.completions.create(**{"model": "", "prompt": PROMPT, "max_tokens": 8, **fields})  # type: ignore[call-overload]
     error = raised.value.body
     assert isinstance(error, dict) and named in error["message"] and error["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)
+
+
+def test_a_body_that_is_not_json_is_named_so(client: openai.OpenAI) -> None:
+    body = urllib.request.Request(
+        f"{client.base_url}completions", data=b'{"prompt": ', headers={"content-type": "application/json"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(body, timeout=30)
+    assert answer.value.code == 400
+    error = json.loads(answer.value.read())["error"]
+    assert error["message"] == "the request body is not valid JSON (Expecting value at character 11)"

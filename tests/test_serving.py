@@ -288,6 +288,15 @@ BAD_REQUESTS = {
     "wrong shape": (dict(text_input=_text("w5"), max_tokens=_i32(8, 9)), "max_tokens"),
     "unknown parameter": (dict(text_input=_text("w5"), max_tokens=_i32(8), temprature=_f32(1.0)), "temprature"),
     "bad top_p": (dict(text_input=_text("w5"), max_tokens=_i32(8), top_p=_f32(1.5)), "top_p=1.5 is outside"),
+    "infinite temperature": (dict(text_input=_text("w5"), max_tokens=_i32(8), temperature=_f32(np.inf)), "temperature=inf"),
+    "prompt not UTF-8": (
+        dict(text_input=np.array([[b"w5 \xff w6"]], dtype=object), max_tokens=_i32(8)),
+        "text_input is not UTF-8 text \\(byte 0xff at position 3\\)",
+    ),
+    "stop word not UTF-8": (
+        dict(text_input=_text("w5"), max_tokens=_i32(8), stop_words=np.array([[b"w7", b"\xc3("]], dtype=object)),
+        "stop_words\\[1\\] is not UTF-8 text \\(byte 0xc3 at position 0\\)",
+    ),
     "no batch dimension": (dict(text_input=np.array([b"w5"], dtype=object), max_tokens=_i32(8)), "text_input"),
     "two prompts in one request": (
         dict(text_input=np.array([[b"w5"], [b"w6"]], dtype=object), max_tokens=np.array([[8], [8]], np.int32)),

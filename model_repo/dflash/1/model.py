@@ -27,7 +27,7 @@ import triton_python_backend_utils as pb_utils
 from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import Sequence, StopCriteria
 from dflash_trt.runtime.repository import load_engine
-from dflash_trt.runtime.sampling import RequestError, SamplingParams
+from dflash_trt.runtime.sampling import RequestError, SamplingParams, request_text
 from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, Scheduler
 from transformers import AutoTokenizer
 
@@ -211,7 +211,7 @@ class TritonPythonModel:
         stop_strings = (
             ()
             if words is None
-            else tuple(w.decode("utf-8") if isinstance(w, bytes) else str(w) for w in words.as_numpy().reshape(-1))
+            else tuple(request_text(w, f"stop_words[{i}]") for i, w in enumerate(words.as_numpy().reshape(-1)))
         )
         eos = self.eos_ids if end_id is None else (int(end_id),)  # type: ignore[call-overload]
         return StopCriteria(eos_token_ids=eos, stop_strings=tuple(s for s in stop_strings if s), decode=self.tokenizer.decode)

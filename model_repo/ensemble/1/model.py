@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from dflash_trt.runtime.prompts import encode_prompt
-from dflash_trt.runtime.sampling import RequestError, SamplingParams
+from dflash_trt.runtime.sampling import RequestError, SamplingParams, request_text
 from transformers import AutoTokenizer
 
 WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
@@ -98,10 +98,21 @@ def _prompt_text(request: object) -> str:
             "flight); tensorrtllm_backend's --batch-inputs is not supported"
         )
     value = array.reshape(-1)[0]
-    text = value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    text = request_text(value, "text_input")
     if not text:
         raise RequestError("text_input is empty: send at least one character of prompt")
     return text
+
+
+def _internal_error(error: Exception) -> str:
+    """Log an unexpected failure with its traceback on the server; the message for the request it ended."""
+    pb_utils.Logger.log_error(f"ensemble: internal error: {error!r}\n{traceback.format_exc()}")
+    return f"ensemble: internal error: {error!r} (logged on the server)"
+
+
+def _refuse(sender: object, message: str) -> None:
+    refusal = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+    sender.send(refusal, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # type: ignore[attr-defined]
 
 
 def _llmapi_inputs(request: object, text: str, streaming: bool) -> list:
@@ -210,8 +221,10 @@ class TritonPythonModel:
             try:
                 job, call = self._job(request, sender)
             except RequestError as error:
-                refusal = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(error)))
-                sender.send(refusal, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                _refuse(sender, str(error))
+                continue
+            except Exception as error:  # one malformed request fails alone, never the others of this call
+                _refuse(sender, _internal_error(error))
                 continue
             with self.jobs_lock:
                 self.jobs[job.key] = job
@@ -288,9 +301,7 @@ class TritonPythonModel:
             else:
                 self._end(job, self._response(job, "".join(pieces), stats))
         except Exception as error:  # this request ends with the error; the model and other requests go on
-            pb_utils.Logger.log_error(f"ensemble: internal error: {error!r}\n{traceback.format_exc()}")
-            message = f"ensemble: internal error: {error!r} (logged on the server)"
-            self._end(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(message)))
+            self._end(job, pb_utils.InferenceResponse(error=pb_utils.TritonError(_internal_error(error))))
         finally:
             with self.jobs_lock:
                 self.jobs.pop(job.key, None)

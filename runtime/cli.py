@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError
 from dflash_trt.builder.drafter_init import untrained_drafter_dir
 from dflash_trt.builder.embedded import EMBEDDED_TARGET
 from dflash_trt.builder.graphs import torch_engine
-from dflash_trt.builder.models import resolve_checkpoint
+from dflash_trt.builder.models import resolve_pair
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import GenerationStats, StopCriteria, generate_plain, stream_dflash
+from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import encode_prompt
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from transformers import AutoTokenizer
@@ -40,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target", default=EMBEDDED_TARGET, help=f"'{EMBEDDED_TARGET}' (embedded CPU default) or an HF checkpoint dir"
     )
-    parser.add_argument("--drafter", help="z-lab DFlash drafter dir (default: an untrained drafter; tau ~1)")
+    parser.add_argument(
+        "--drafter",
+        help="z-lab DFlash drafter dir or hub id (the embedded target's and an alias's are named for them, as in "
+        "dflash-build; otherwise default: an untrained drafter, tau ~1)",
+    )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -52,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--compare-plain", action="store_true", help="also decode plainly; report speedup and T=0 identity")
     args = parser.parse_args(argv)
+    if args.seed is not None:
+        require_at_least(parser, {"--seed": (args.seed, 0)})
     torch.manual_seed(0)
     try:
-        target_dir = resolve_checkpoint(args.target)
+        target_dir, drafter_dir = resolve_pair(args.target, args.drafter)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        if args.drafter:
-            drafter_dir = Path(args.drafter)
-        else:
+        if drafter_dir is None:
             print("[dflash-trt] no --drafter: using an untrained drafter, so expect tau ~1", file=sys.stderr)
             drafter_dir = untrained_drafter_dir(target_dir, tokenizer, args.block_size)
         target, drafter = load_pair(target_dir, drafter_dir)

@@ -194,6 +194,7 @@ def test_the_bundled_tritonserver_is_refused_under_numpy_2() -> None:
         ("quality", ["--repo", "r", "--window", "1"], "--window 1: give at least 2"),
         ("client", ["hello", "--max-tokens", "-3"], "--max-tokens -3: give at least 1"),
         ("build", ["--model", "m", "--output", "o", "--threads", "-2"], "--threads -2: give at least 0"),
+        ("generate", ["--target", "t", "--seed", "-5"], "--seed -5: give at least 0"),
     ],
 )
 def test_command_line_numbers_are_refused_before_any_work(
@@ -203,6 +204,7 @@ def test_command_line_numbers_are_refused_before_any_work(
     from dflash_trt.builder import cli as build_cli
     from dflash_trt.builder import kubernetes, train_cli
     from dflash_trt.client import cli, openai_api
+    from dflash_trt.runtime import cli as generate_cli
     from dflash_trt.runtime import quality, serve
 
     mains = {
@@ -213,6 +215,7 @@ def test_command_line_numbers_are_refused_before_any_work(
         "quality": quality.main,
         "client": cli.main,
         "build": build_cli.main,
+        "generate": generate_cli.main,
     }
     with pytest.raises(SystemExit) as exit_info:
         mains[command](argv)

@@ -57,3 +57,21 @@ def test_trained_drafter_greedy_equals_transformers_with_long_accepts(
         assert sum(stats.acceptance_lengths) == NEW_TOKENS - 1  # every token but the prefill one came from a step
         assert stats.accepted_draft_tokens >= sum(stats.acceptance_lengths) - stats.steps
     assert longest >= 9, f"no step accepted >= 8 draft tokens (longest emitted run {longest})"
+
+
+def test_dflash_generate_streams_the_greedy_text_and_compares_with_plain(
+    tiny_targets: dict[str, Path], trained_drafter: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI streams what `generate` returns, decoded, and `--compare-plain` checks it against plain decoding."""
+    from dflash_trt.runtime.cli import main as dflash_generate
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_targets["qwen3"])
+    prompt = "w5 w35 w89 w7"
+    argv = ["--target", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--prompt", prompt, "--raw"]
+    assert dflash_generate([*argv, "--max-tokens", str(NEW_TOKENS), "--compare-plain"]) == 0
+    streamed = capsys.readouterr()
+    expected = generate(_engine(tiny_targets["qwen3"], trained_drafter), tokenizer(prompt)["input_ids"], NEW_TOKENS)
+    assert streamed.out == tokenizer.decode(expected.tokens)
+    assert f"tau (tokens/step incl. bonus) {expected.stats.tau:.2f}" in streamed.err
+    assert "identical to plain: True" in streamed.err

@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "onnxruntime", "torch-cuda", "tensorrt", "trtllm"),
         default="auto",
         help="onnxruntime: CPU engines; torch-cuda: the pair's checkpoints run by torch on a GPU; tensorrt: plans "
-        "(built, not yet served); trtllm: a repository for TensorRT-LLM's PyTorch engine on one or more GPUs "
+        "for the TensorRT runner (written against TensorRT's API, never run: untested); trtllm: a repository for "
+        "TensorRT-LLM's PyTorch engine on one or more GPUs "
         f"(--tp/--pp/--ep; configs only, nothing downloaded; TensorRT-LLM {TRTLLM_RELEASE}); auto: torch-cuda where "
         "CUDA is, else onnxruntime",
     )

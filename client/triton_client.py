@@ -277,11 +277,7 @@ def _text_answer(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 
 def http_generate_stream(base_url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
     """Triton's HTTP generate_stream endpoint (server-sent events) on the ensemble."""
-    body = json.dumps({"text_input": text, **_text_fields(request)}).encode("utf-8")
-    post = urllib.request.Request(
-        f"{base_url}/v2/models/ensemble/generate_stream", data=body, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(post, timeout=600) as response:
+    with _post(f"{base_url}/v2/models/ensemble/generate_stream", {"text_input": text, **_text_fields(request)}) as response:
         for raw in response:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
@@ -299,13 +295,22 @@ def http_generate_stream(base_url: str, text: str, request: Request, timing: Tim
 
 def http_generate(base_url: str, text: str, request: Request) -> dict[str, Any]:
     """Triton's HTTP generate endpoint (one JSON answer; the request must not stream)."""
-    body = json.dumps({"text_input": text, **_text_fields(request), "stream": False}).encode("utf-8")
-    post = urllib.request.Request(
-        f"{base_url}/v2/models/ensemble/generate", data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(post, timeout=600) as response:
-            answer: dict[str, Any] = json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        raise ServerError(json.loads(error.read()).get("error", str(error))) from None
+    body = {"text_input": text, **_text_fields(request), "stream": False}
+    with _post(f"{base_url}/v2/models/ensemble/generate", body) as response:
+        answer: dict[str, Any] = json.loads(response.read())
     return answer
+
+
+def _post(url: str, body: dict[str, Any]) -> Any:  # noqa: ANN401 (urllib's response)
+    """POST JSON to a Triton endpoint; an error status becomes a ServerError carrying Triton's message: generate
+    answers a refused request with {"error": ...}, generate_stream with that object as a server-sent event."""
+    post = urllib.request.Request(url, data=json.dumps(body).encode("utf-8"), headers={"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(post, timeout=600)
+    except urllib.error.HTTPError as error:
+        answer = error.read().decode("utf-8", errors="replace").strip().removeprefix("data:")
+        try:
+            message = str(json.loads(answer)["error"])
+        except (ValueError, KeyError, TypeError):  # not Triton's answer (a proxy's page): the status
+            message = f"HTTP {error.code} {error.reason} from {url}"
+        raise ServerError(message) from None

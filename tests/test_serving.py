@@ -91,6 +91,9 @@ def test_ensemble_text_over_grpc_and_http_equals_in_process(
         expected = tokenizer.decode(in_process[prompt], skip_special_tokens=True)
         assert "".join(r["text"] for r in stream_text(server.grpc, prompt, Request(MAX_TOKENS))) == expected
         assert "".join(r["text"] for r in http_generate_stream(server.http, prompt, Request(MAX_TOKENS))) == expected
+    # a refused request: Triton answers with an error status; the client raises the model's message, not the status
+    with pytest.raises(ServerError, match="exceeds the maximum sequence length 256"):
+        list(http_generate_stream(server.http, PROMPTS[0], Request(5000)))
 
 
 def _metric(server: Server, name: str) -> float:

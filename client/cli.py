@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ServerError, OSError) as error:
         print(f"\ndflash-client: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the request was cancelled on the server as the stream closed
+        print("\ndflash-client: interrupted (request cancelled)", file=sys.stderr)
+        return 130
     print()
     if args.stats and last:
         print(format_stats(last, timing), file=sys.stderr)

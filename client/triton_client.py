@@ -147,9 +147,12 @@ def grpc_inputs(prompt_name: str, prompt: np.ndarray, fields: dict[str, Any]) ->
 def grpc_stream(
     url: str, model: str, inputs: list[grpcclient.InferInput], outputs: tuple[str, ...], timeout: float = 600.0
 ) -> Iterator[dict[str, np.ndarray]]:
-    """One decoupled request over a gRPC stream: yields each non-empty response's named outputs."""
+    """One decoupled request over a gRPC stream: yields each non-empty response's named outputs. A consumer that
+    stops early (closes the generator: Ctrl-C, a disconnected HTTP client upstream) cancels the request, which frees
+    its slot on the server within a step; closing the stream without cancelling would wait for the whole answer."""
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    ended = False  # the final response (or an error) arrived: nothing is left to cancel
     try:
         try:
             client.start_stream(callback=lambda result, error: answers.put((result, error)))
@@ -162,15 +165,17 @@ def grpc_stream(
             except queue.Empty:
                 raise StreamBroken(f"no response from {url} in {timeout:.0f} s") from None
             if error is not None:  # the model's answer carries no gRPC status; a failed stream does
+                ended = True
                 broken = error.status() is not None or any(answer in str(error) for answer in CANNOT_SERVE)
                 raise StreamBroken(str(error)) if broken else ServerError(str(error))
             arrays = {name: result.as_numpy(name) for name in outputs if result.as_numpy(name) is not None}
             if arrays:
                 yield arrays
             if result.get_response().parameters["triton_final_response"].bool_param:
+                ended = True
                 return
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not ended)
         client.close()
 
 

@@ -4,7 +4,9 @@ process, and the real `openai` Python client."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -125,6 +127,39 @@ def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: di
     assert isinstance(error, dict) and named in error["message"] and error["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path) -> None:
+    """An HTTP client gone mid-stream cancels its request on the server at once, long before the tokens it asked for
+    (the counter counts a request's tokens when it ends); before, the request ran on until a garbage collection
+    closed the stream, or to its end."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
+    engine, _ = load_engine(chat_repo)
+    asked = 200
+    alone = generate(engine, tokenizer(PROMPT)["input_ids"], asked).tokens  # what the request would generate
+    assert len(alone) == asked, "the prompt ends by itself: the test would prove nothing"
+    metrics = f"http://localhost:{triton.metrics}/metrics"
+    generated = _metric(metrics, "dflash_generated_tokens_total")
+    body = {"model": "", "prompt": PROMPT, "max_tokens": asked, "temperature": 0, "stream": True}
+    post = urllib.request.Request(
+        f"{client.base_url}completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    response = urllib.request.urlopen(post, timeout=60)
+    assert response.readline().startswith(b"data: ")
+    response.close()
+    deadline = time.perf_counter() + 10
+    while _metric(metrics, "dflash_running_requests") != 0:
+        assert time.perf_counter() < deadline, "the request went on after its client left"
+        time.sleep(0.01)
+    assert _metric(metrics, "dflash_generated_tokens_total") - generated < asked / 2
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    match = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
 
 
 def test_a_body_that_is_not_json_is_named_so(client: openai.OpenAI) -> None:

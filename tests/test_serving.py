@@ -451,16 +451,22 @@ for _ in stream_text(sys.argv[1], "w3 w4", Request({long}, end_id=-1)):
 """
 
 
-@pytest.mark.parametrize("how", ["cancel", "disconnect"])
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "stop reading"])
 def test_ensemble_stream_cancel_or_disconnect_frees_the_slot_within_a_step(server: Server, tiny_repo: Path, how: str) -> None:
     """Triton does not pass a cancellation on to a model called by another; the ensemble front sends dflash a stop
-    request, so the sequence leaves the batch (slot freed, generation stopped) long before its LONG tokens."""
+    request, so the sequence leaves the batch (slot freed, generation stopped) long before its LONG tokens. "stop
+    reading": the toolkit's own client closed mid-stream (Ctrl-C in dflash-client, dflash-openai's HTTP client gone)
+    cancels its request; it used to close the stream by waiting for every token."""
     generated = _metric(server, "dflash_generated_tokens_total")
     if how == "cancel":
         client, _ = _long_ensemble_stream(server.grpc)
         assert _metric(server, "dflash_free_slots") == 7
         client.stop_stream(cancel_requests=True)
         client.close()
+    elif how == "stop reading":
+        stream = stream_text(server.grpc, "w3 w4", Request(LONG, end_id=-1))
+        next(stream)
+        stream.close()
     else:
         script = DISCONNECTING_CLIENT.format(long=LONG)
         subprocess.run([sys.executable, "-c", script, server.grpc], check=True, timeout=120)

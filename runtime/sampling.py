@@ -7,6 +7,8 @@ Acceptance: the draft is greedy (argmax of the draft logits). The target samples
 block slot from its adjusted distribution; draft token d_{i+1} is accepted while d_{i+1} == y_i. Every emitted
 token is then y_i, a sample from the target's distribution given the tokens actually emitted before it, so
 output is distributed exactly as plain sampling from the target (and at T=0 equals greedy decoding).
+
+A served request's sampling values and text inputs are checked here too (`RequestError` names the value and the fix).
 """
 
 from __future__ import annotations

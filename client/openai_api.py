@@ -14,13 +14,14 @@ and llm-d route on this API plus the `dflash` model's gauges.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Generator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -28,6 +29,12 @@ from dflash_trt.client.triton_client import Request, ServerError, StreamBroken, 
 from dflash_trt.runtime.options import port_number, require_at_least
 from pydantic import BaseModel, ConfigDict, Field
 
+try:  # FastAPI reads the endpoints' annotations from this module's names
+    from starlette.requests import Request as StarletteRequest
+except ImportError:  # without the `serve` extra: main() says what to install
+    StarletteRequest = Any  # type: ignore[misc,assignment]
+
+DISCONNECT_POLL_SECONDS = 0.05  # how often a completion answered whole checks that its client is still there
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
 
 
@@ -208,6 +215,7 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="dflash-openai")
 
@@ -256,7 +264,7 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
             "data": [{"id": frontend.model, "object": "model", "created": frontend.created, "owned_by": "dflash-trt"}],
         }
 
-    def answer(body: CompletionBody | ChatBody, chat: bool) -> Any:  # noqa: ANN401
+    async def answer(body: CompletionBody | ChatBody, chat: bool, connection: Any) -> Any:  # noqa: ANN401
         if body.model and body.model != frontend.model:  # none or "": the one model served
             return error(
                 404,
@@ -264,7 +272,7 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
                 "invalid_request_error",
                 "model",
             )
-        text, ids = frontend.prompt(body)
+        text, ids = await run_in_threadpool(frontend.prompt, body)
         request = body.request(frontend.default_max_tokens)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -285,15 +293,15 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
             key, content = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
             return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
 
-        if not body.stream:
-            answers = list(frontend.generate(text, ids, replace(request, stream=False)))
+        if not body.stream:  # streamed from Triton all the same, so that a client that leaves is noticed between steps
+            answers = await read_while_connected(frontend.generate(text, ids, request), connection)
             completion, last = "".join(answer.text for answer in answers), answers[-1]
             kind = "chat.completion" if chat else "text_completion"
             return {**head, "object": kind, "choices": [choice(completion, last.finish, False)], "usage": usage(last)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
         responses = frontend.generate(text, ids, request)
-        first = next(responses)  # a refused request gets its HTTP error here, before the stream starts
+        first = await run_in_threadpool(next, responses)  # a refused request gets its HTTP error here, before the stream
 
         def events() -> Generator[str, None, None]:
             last = first
@@ -321,14 +329,42 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
         return ClosingStreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    def completions(body: CompletionBody) -> Any:  # noqa: ANN401
-        return answer(body, chat=False)
+    async def completions(body: CompletionBody, connection: StarletteRequest) -> Any:  # noqa: ANN401
+        return await answer(body, False, connection)
 
     @app.post("/v1/chat/completions")
-    def chat_completions(body: ChatBody) -> Any:  # noqa: ANN401
-        return answer(body, chat=True)
+    async def chat_completions(body: ChatBody, connection: StarletteRequest) -> Any:  # noqa: ANN401
+        return await answer(body, True, connection)
 
     return app
+
+
+async def read_while_connected(responses: Generator[Answered, None, None], connection: Any) -> list[Answered]:  # noqa: ANN401
+    """Every response of a completion answered whole, read in a worker thread; a client that leaves meanwhile (its
+    timeout, say) stops the reading, which cancels the request on the server (Starlette cancels no handler when its
+    client leaves). Checked every DISCONNECT_POLL_SECONDS; the reading stops at the next response (a step)."""
+    from starlette.concurrency import run_in_threadpool
+
+    left = threading.Event()
+
+    def read() -> list[Answered]:
+        answers = []
+        try:
+            for answer in responses:
+                answers.append(answer)
+                if left.is_set():
+                    break
+        finally:
+            responses.close()  # closes the Triton stream: cancels the request if it is still running
+        return answers
+
+    reading = asyncio.ensure_future(run_in_threadpool(read))
+    while not reading.done():
+        if await connection.is_disconnected():
+            left.set()
+            break
+        await asyncio.wait({reading}, timeout=DISCONNECT_POLL_SECONDS)
+    return await reading
 
 
 FIELD_FORMS = {  # what a field takes, for the fields whose type is a choice of several

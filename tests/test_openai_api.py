@@ -3,13 +3,15 @@ process, and the real `openai` Python client."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import shutil
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -129,10 +131,12 @@ def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: di
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path) -> None:
-    """An HTTP client gone mid-stream cancels its request on the server at once, long before the tokens it asked for
-    (the counter counts a request's tokens when it ends); before, the request ran on until a garbage collection
-    closed the stream, or to its end."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path, stream: bool) -> None:
+    """An HTTP client gone mid-answer (streamed: after its first event; answered whole: once its request runs, as a
+    client timeout would) cancels its request on the server at once, long before the tokens it asked for (the
+    counter counts a request's tokens when it ends). Before, a streamed request ran on until a garbage collection
+    closed its stream, and one answered whole ran to its end."""
     tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
     engine, _ = load_engine(chat_repo)
     asked = 200
@@ -140,18 +144,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(client: openai.OpenAI, t
     assert len(alone) == asked, "the prompt ends by itself: the test would prove nothing"
     metrics = f"http://localhost:{triton.metrics}/metrics"
     generated = _metric(metrics, "dflash_generated_tokens_total")
-    body = {"model": "", "prompt": PROMPT, "max_tokens": asked, "temperature": 0, "stream": True}
-    post = urllib.request.Request(
-        f"{client.base_url}completions", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
-    )
-    response = urllib.request.urlopen(post, timeout=60)
-    assert response.readline().startswith(b"data: ")
-    response.close()
-    deadline = time.perf_counter() + 10
-    while _metric(metrics, "dflash_running_requests") != 0:
-        assert time.perf_counter() < deadline, "the request went on after its client left"
-        time.sleep(0.01)
+    body = {"model": "", "prompt": PROMPT, "max_tokens": asked, "temperature": 0, "stream": stream}
+    front = urllib.parse.urlsplit(str(client.base_url))
+    connection = http.client.HTTPConnection(front.hostname or "", front.port, timeout=60)
+    connection.request("POST", f"{front.path}completions", json.dumps(body), {"content-type": "application/json"})
+    if stream:
+        assert connection.getresponse().readline().startswith(b"data: ")
+    else:
+        _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 1, "the request never ran")
+    connection.close()
+    _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 0, "the request went on after its client left")
     assert _metric(metrics, "dflash_generated_tokens_total") - generated < asked / 2
+
+
+def _wait_for(condition: Callable[[], bool], failure: str, seconds: float = 10.0) -> None:
+    deadline = time.perf_counter() + seconds
+    while not condition():
+        assert time.perf_counter() < deadline, failure
+        time.sleep(0.005)
 
 
 def _metric(url: str, name: str) -> float:

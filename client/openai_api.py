@@ -30,6 +30,7 @@ from dflash_trt.runtime.options import port_number, require_at_least
 from pydantic import BaseModel, ConfigDict, Field
 
 try:  # FastAPI reads the endpoints' annotations from this module's names
+    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request as StarletteRequest
 except ImportError:  # without the `serve` extra: main() says what to install
     StarletteRequest = Any  # type: ignore[misc,assignment]
@@ -161,8 +162,9 @@ class Frontend:
 
     def prompt(self, body: CompletionBody | ChatBody) -> tuple[str, list[int]]:
         """The prompt as text (what a text-level model is sent) and as token ids (what the token-level model is sent,
-        and what `usage` counts). A prompt given as token ids goes to the token-level model as it is (the server
-        checks them against the vocabulary); a text-level model gets their decoded text."""
+        and what `usage` counts). A prompt given as token ids goes to the token-level model as it is, once they are
+        known to the tokenizer (a text-level model gets their decoded text; the server checks them against the
+        engine's vocabulary too)."""
         if isinstance(body, ChatBody):
             if not self.tokenizer.chat_template:
                 raise InvalidRequest(f"the model {self.model} has no chat template: use /v1/completions", "messages")
@@ -215,7 +217,6 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI(title="dflash-openai")
 
@@ -343,8 +344,6 @@ async def read_while_connected(responses: Generator[Answered, None, None], conne
     """Every response of a completion answered whole, read in a worker thread; a client that leaves meanwhile (its
     timeout, say) stops the reading, which cancels the request on the server (Starlette cancels no handler when its
     client leaves). Checked every DISCONNECT_POLL_SECONDS; the reading stops at the next response (a step)."""
-    from starlette.concurrency import run_in_threadpool
-
     left = threading.Event()
 
     def read() -> list[Answered]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from dflash_trt.client.triton_client import (
@@ -10,7 +11,6 @@ from dflash_trt.client.triton_client import (
     Retry,
     ServerError,
     Timing,
-    http_generate,
     http_generate_stream,
     stream_text,
 )
@@ -60,19 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     timing = Timing()
     last: dict[str, object] = {}
     try:
-        if args.http and args.no_stream:
-            last = http_generate(url, args.prompt, request)
-            timing.mark()
-            print(last["text_output"], end="")
-        else:
-            pieces = (
-                http_generate_stream(url, args.prompt, request, timing)
-                if args.http
-                else stream_text(url, args.prompt, request, timing, Retry(tries=1 + args.retries))
-            )
-            for piece in pieces:
+        pieces = (
+            # Triton's HTTP frontend notices a client gone only when it writes to it (triton-inference-server/server
+            # issue 7077): a request answered whole would run to its end after Ctrl-C, so over HTTP it always
+            # streams, and --no-stream prints the text at the end
+            http_generate_stream(url, args.prompt, dataclasses.replace(request, stream=True), timing)
+            if args.http
+            else stream_text(url, args.prompt, request, timing, Retry(tries=1 + args.retries))
+        )
+        text = []
+        for piece in pieces:
+            if not args.no_stream:
                 print(piece["text"], end="", flush=True)
-                last = piece
+            text.append(piece["text"])
+            last = piece
+        if args.no_stream:
+            print("".join(text), end="")
     except (ServerError, OSError) as error:
         print(f"\ndflash-client: error: {error}", file=sys.stderr)
         return 1

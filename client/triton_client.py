@@ -299,7 +299,9 @@ def http_generate_stream(base_url: str, text: str, request: Request, timing: Tim
 
 
 def http_generate(base_url: str, text: str, request: Request) -> dict[str, Any]:
-    """Triton's HTTP generate endpoint (one JSON answer; the request must not stream)."""
+    """Triton's HTTP generate endpoint (one JSON answer; the request must not stream). A client that leaves does not
+    stop it: Triton's HTTP frontend notices a closed connection only when it writes a response (server issue 7077),
+    and this request has one, at its end; `http_generate_stream` stops within a step of its reader leaving."""
     body = {"text_input": text, **_text_fields(request), "stream": False}
     with _post(f"{base_url}/v2/models/ensemble/generate", body) as response:
         answer: dict[str, Any] = json.loads(response.read())

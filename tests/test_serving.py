@@ -19,6 +19,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from dflash_trt.builder.repository import TOKENIZER_DIR
+from dflash_trt.client.cli import main as client_main
 from dflash_trt.client.triton_client import (
     Request,
     ServerError,
@@ -84,13 +85,20 @@ def test_grpc_token_stream_equals_in_process(server: Server, tiny_repo: Path, in
 
 
 def test_ensemble_text_over_grpc_and_http_equals_in_process(
-    server: Server, tiny_repo: Path, in_process: dict[str, list[int]]
+    server: Server, tiny_repo: Path, in_process: dict[str, list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_repo / TOKENIZER_DIR)
     for prompt in PROMPTS:
         expected = tokenizer.decode(in_process[prompt], skip_special_tokens=True)
         assert "".join(r["text"] for r in stream_text(server.grpc, prompt, Request(MAX_TOKENS))) == expected
         assert "".join(r["text"] for r in http_generate_stream(server.http, prompt, Request(MAX_TOKENS))) == expected
+    # dflash-client, each protocol, streamed and printed whole (over HTTP the latter streams too: see the client)
+    expected = tokenizer.decode(in_process[PROMPTS[0]], skip_special_tokens=True)
+    http, grpc = server.http, server.grpc
+    modes = [(grpc, []), (grpc, ["--no-stream"]), (http, ["--http"]), (http, ["--http", "--no-stream"])]
+    for url, flags in modes:
+        assert client_main([PROMPTS[0], "--url", url, "--max-tokens", str(MAX_TOKENS), *flags]) == 0
+        assert capsys.readouterr().out == expected + "\n", flags
     # a refused request: Triton answers with an error status; the client raises the model's message, not the status
     with pytest.raises(ServerError, match="exceeds the maximum sequence length 256"):
         list(http_generate_stream(server.http, PROMPTS[0], Request(5000)))
@@ -451,20 +459,25 @@ for _ in stream_text(sys.argv[1], "w3 w4", Request({long}, end_id=-1)):
 """
 
 
-@pytest.mark.parametrize("how", ["cancel", "disconnect", "stop reading"])
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "stop reading", "stop reading over HTTP"])
 def test_ensemble_stream_cancel_or_disconnect_frees_the_slot_within_a_step(server: Server, tiny_repo: Path, how: str) -> None:
     """Triton does not pass a cancellation on to a model called by another; the ensemble front sends dflash a stop
     request, so the sequence leaves the batch (slot freed, generation stopped) long before its LONG tokens. "stop
     reading": the toolkit's own client closed mid-stream (Ctrl-C in dflash-client, dflash-openai's HTTP client gone)
-    cancels its request; it used to close the stream by waiting for every token."""
+    cancels its request; it used to close the stream by waiting for every token. Over HTTP, Triton sees the closed
+    connection when it writes the next response (so only streamed requests can be stopped by leaving)."""
     generated = _metric(server, "dflash_generated_tokens_total")
     if how == "cancel":
         client, _ = _long_ensemble_stream(server.grpc)
         assert _metric(server, "dflash_free_slots") == 7
         client.stop_stream(cancel_requests=True)
         client.close()
-    elif how == "stop reading":
-        stream = stream_text(server.grpc, "w3 w4", Request(LONG, end_id=-1))
+    elif how.startswith("stop reading"):
+        stream = (
+            http_generate_stream(server.http, "w3 w4", Request(LONG, end_id=-1))
+            if how.endswith("HTTP")
+            else stream_text(server.grpc, "w3 w4", Request(LONG, end_id=-1))
+        )
         next(stream)
         stream.close()
     else:

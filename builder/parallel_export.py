@@ -1,7 +1,7 @@
 """Tracing the graphs at once: one forked worker process per graph, up to the cores this process may use.
 
 Tracing is single-threaded Python (torch.export, then the ONNX translation and its rewrites), about a minute per
-graph for the tests' tiny pair and 2.5 minutes for SmolLM2-135M on this 2-core CPU, and the four graphs do not
+graph for the tests' tiny pair and about 2 minutes for SmolLM2-135M on a 2-core CPU (2026-12-05), and the four graphs do not
 depend on each other. The workers are forked after the networks are loaded, so they trace the parent's own modules
 without a copy of the weights (tracing reads shapes, not weight data; the pages stay shared), and each sends back
 its graph without the networks' parameters: an initializer that is a parameter (or a parameter's transpose, see

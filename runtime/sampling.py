@@ -37,6 +37,13 @@ def request_text(value: object, name: str) -> str:
         ) from None
 
 
+def shown(value: float) -> str:
+    """A value as its sender wrote it: a served value arrives as float32 (1.1 reads 1.100000023841858 as a Python
+    float), so one that is exactly a float32 is shown by float32's shortest repr."""
+    single = np.float32(value)
+    return str(single) if float(single) == value else repr(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -46,11 +53,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         if not 0 <= self.temperature < float("inf"):
-            raise RequestError(f"temperature={self.temperature} is invalid: use 0 for greedy or a positive finite value")
+            raise RequestError(f"temperature={shown(self.temperature)} is invalid: use 0 for greedy or a positive finite value")
         if self.top_k < 0:
             raise RequestError(f"top_k={self.top_k} is invalid: use 0 (no limit) or a positive count")
         if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p={self.top_p} is outside (0, 1]: use 1.0 to disable nucleus sampling")
+            raise RequestError(f"top_p={shown(self.top_p)} is outside (0, 1]: use 1.0 to disable nucleus sampling")
 
     @property
     def greedy(self) -> bool:

@@ -281,7 +281,9 @@ def _text_answer(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def http_generate_stream(base_url: str, text: str, request: Request, timing: Timing | None = None) -> Iterator[dict[str, Any]]:
-    """Triton's HTTP generate_stream endpoint (server-sent events) on the ensemble."""
+    """Triton's HTTP generate_stream endpoint (server-sent events) on the ensemble. Closing the generator stops the
+    request at its next step; with `request.stream` False the answer comes whole at the end and, like
+    `http_generate`'s, runs to its end after its reader leaves."""
     with _post(f"{base_url}/v2/models/ensemble/generate_stream", {"text_input": text, **_text_fields(request)}) as response:
         for raw in response:
             line = raw.decode("utf-8").strip()

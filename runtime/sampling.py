@@ -37,11 +37,12 @@ def request_text(value: object, name: str) -> str:
         ) from None
 
 
-def shown(value: float) -> str:
-    """A value as its sender wrote it: a served value arrives as float32 (1.1 reads 1.100000023841858 as a Python
-    float), so one that is exactly a float32 is shown by float32's shortest repr."""
-    single = np.float32(value)
-    return str(single) if float(single) == value else repr(value)
+def shown(value: object) -> str:
+    """A request's value as its sender wrote it, for messages: a served float arrives as float32 (1.1 reads
+    1.100000023841858 as a Python float), so a float that is exactly a float32 is shown by float32's shortest repr."""
+    if isinstance(value, float) and float(np.float32(value)) == value:
+        return str(np.float32(value))
+    return repr(value)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from dflash_trt.runtime.prompts import encode_prompt
-from dflash_trt.runtime.sampling import RequestError, SamplingParams, request_text
+from dflash_trt.runtime.sampling import RequestError, SamplingParams, request_text, shown
 from transformers import AutoTokenizer
 
 WATCH_SECONDS = 0.01  # how often the watcher looks for cancelled requests
@@ -80,10 +80,9 @@ def _scalar(request: object, name: str, default: object) -> object:
 
 def _check_neutral(request: object) -> None:
     for name, (allowed, reason) in NEUTRAL.items():
-        array = _input(request, name)
-        value = None if array is None else array.reshape(-1)[0]  # numpy's own str: 1.1 for a float32 1.1, not 1.100000023841858
-        if value is not None and value.item() not in allowed:
-            raise RequestError(f"{name}={value!s} is not supported: {reason}")
+        value = _scalar(request, name, None)
+        if value is not None and value not in allowed:
+            raise RequestError(f"{name}={shown(value)} is not supported: {reason}")
     for name, reason in EMPTY_LISTS.items():
         array = _input(request, name)
         if array is not None and any(v not in (b"", "") for v in array.reshape(-1)):

@@ -36,7 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("prompt")
     parser.add_argument("--url", help="gRPC host:port (default localhost:8001) or, with --http, http://host:port (default :8000)")
     parser.add_argument("--http", action="store_true", help="use Triton's HTTP generate / generate_stream endpoints")
-    parser.add_argument("--no-stream", action="store_true", help="one response at the end")
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="print the text at the end (gRPC: one response from the server; HTTP: still streamed, so Ctrl-C stops it)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)

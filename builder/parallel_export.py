@@ -1,8 +1,8 @@
 """Tracing the graphs at once: one forked worker process per graph, up to the cores this process may use.
 
 Tracing is single-threaded Python (torch.export, then the ONNX translation and its rewrites), about a minute per
-graph for the tests' tiny pair and about 2 minutes for SmolLM2-135M on a 2-core CPU (2026-12-05), and the four graphs do not
-depend on each other. The workers are forked after the networks are loaded, so they trace the parent's own modules
+graph for the tests' tiny pair and about 2 minutes for SmolLM2-135M on a 2-core CPU (2026-12-05), and the four
+graphs do not depend on each other. The workers are forked after the networks are loaded, so they trace the parent's own modules
 without a copy of the weights (tracing reads shapes, not weight data; the pages stay shared), and each sends back
 its graph without the networks' parameters: an initializer that is a parameter (or a parameter's transpose, see
 `export.TransposedWeight`) travels as its address, shape and dtype, which name the same tensor in the parent, and

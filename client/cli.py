@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from dflash_trt.client.triton_client import (
@@ -57,29 +56,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     require_at_least(parser, {"--max-tokens": (args.max_tokens, 1), "--retries": (args.retries, 0)})
-    request = Request(
-        args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, None, tuple(args.stop), not args.no_stream
-    )
+    # Triton's HTTP frontend notices a client gone only when it writes to it (triton-inference-server/server issue
+    # 7077): a request answered whole would run to its end after Ctrl-C, so over HTTP it always streams
+    streamed = args.http or not args.no_stream
+    request = Request(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed, None, tuple(args.stop), streamed)
     url = args.url or ("http://localhost:8000" if args.http else "localhost:8001")
     timing = Timing()
     last: dict[str, object] = {}
     try:
         pieces = (
-            # Triton's HTTP frontend notices a client gone only when it writes to it (triton-inference-server/server
-            # issue 7077): a request answered whole would run to its end after Ctrl-C, so over HTTP it always
-            # streams, and --no-stream prints the text at the end
-            http_generate_stream(url, args.prompt, dataclasses.replace(request, stream=True), timing)
+            http_generate_stream(url, args.prompt, request, timing)
             if args.http
             else stream_text(url, args.prompt, request, timing, Retry(tries=1 + args.retries))
         )
-        text = []
+        held = []  # --no-stream: the text, printed at the end
         for piece in pieces:
-            if not args.no_stream:
+            if args.no_stream:
+                held.append(piece["text"])
+            else:
                 print(piece["text"], end="", flush=True)
-            text.append(piece["text"])
             last = piece
-        if args.no_stream:
-            print("".join(text), end="")
+        print("".join(held), end="")
     except (ServerError, OSError) as error:
         print(f"\ndflash-client: error: {error}", file=sys.stderr)
         return 1

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_repository_manifest
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
-from dflash_trt.runtime.engine import GraphEngine, StepBatch
+from dflash_trt.runtime.engine import GraphEngine, PrefillRow, StepBatch
 from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table, slots_for
 from dflash_trt.runtime.loop import Generation, generate, generate_plain, validate_request
 from dflash_trt.runtime.options import require_at_least
@@ -49,7 +49,7 @@ def step_timings(engine: GraphEngine, prompt: list[int], repeats: int) -> tuple[
     """
     slot = engine.pool.acquire()
     greedy = SamplingParams()
-    first = engine.prefill(slot, prompt, 0.0, greedy)
+    first = engine.prefill([PrefillRow(slot, prompt, 0.0, greedy)])
 
     def call(graph: str, width: int) -> StepBatch:
         sampling = SamplingTensors.of([greedy], engine.vocab_size)

@@ -110,6 +110,17 @@ class StepBatch:
 
 
 @dataclass(frozen=True)
+class PrefillRow:
+    """One sequence of a prefill call: its prompt from position `start` on (rows < start: a prefix the slot holds)."""
+
+    slot: int
+    tokens: list[int]
+    uniform: float  # of its first token
+    sampling: SamplingParams
+    start: int = 0
+
+
+@dataclass(frozen=True)
 class StepResult:
     target_tokens: torch.Tensor  # [B, V]: emit slots 0..accept_len
     accept_len: torch.Tensor  # [B]: accepted drafts (emitted = accept_len + 1)
@@ -149,31 +160,44 @@ class GraphEngine:
         self.prefixes.enter(slot, scope)
         if shared and slot != donor:
             self.copy_prefix(donor, slot, shared)
+        self.prefixes.written(slot, shared, shared)  # rows from `shared` on are the new prompt's: reused by no one now
         return slot, shared
 
     def reusable(self, prompt: list[int], scope: Hashable = None) -> int:
         """How many leading tokens of `prompt` `acquire` would find in a slot now (0 with reuse off)."""
         return self.prefixes.longest(prompt, scope)[1] if self.reuse_prefixes else 0
 
-    def prefill(self, slot: int, tokens: list[int], uniform: float, sampling: SamplingParams, start: int = 0) -> StepResult:
-        """A prompt's tokens from position `start` on into pool slot `slot` -> its first token (target_tokens[:, 0])
-        and first draft block. Rows < start of the slot must hold the prompt's first `start` tokens' states (a
-        reused prefix, `copy_prefix`), and on targets with recurrent states the slot's sequence must end there."""
-        self.prefixes.check_start(slot, start)
+    def reusable_after(self, earlier: list[int], prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` `acquire` would find in the slot of a prompt `earlier` of the same scope
+        once that is prefilled (0 with reuse off)."""
+        return self.prefixes.offers(earlier, prompt) if self.reuse_prefixes else 0
+
+    def prefill(self, rows: list[PrefillRow]) -> StepResult:
+        """Each row's prompt tokens from its `start` on into its pool slot, in one call (every row the same number of
+        tokens) -> [B] first tokens (target_tokens[:, 0]) and first draft blocks. Rows < start of a slot must hold the
+        prompt's first `start` tokens' states (a reused prefix, `copy_prefix`), and on targets with recurrent states
+        the slot's sequence must end there."""
+        length = len(rows[0].tokens)
+        if any(len(row.tokens) != length for row in rows):
+            raise ValueError(f"prefill rows of {sorted({len(r.tokens) for r in rows})} tokens: one call prefills equal lengths")
+        for row in rows:
+            self.prefixes.check_start(row.slot, row.start)
+        slots, start = torch.tensor([r.slot for r in rows]), torch.tensor([r.start for r in rows])  # [B]
         inputs = {
-            "input_ids": torch.tensor([tokens], dtype=torch.long),
-            "start": torch.tensor([start]),
-            "slots": torch.tensor([slot]),
-            "visible_rows": self._carrier(max(start, 1)),  # exactly the prefix: R + P rows are read
-            "uniforms": torch.tensor([[uniform]], dtype=torch.float32),
-            **SamplingTensors.of([sampling], self.vocab_size).as_inputs(),
+            "input_ids": torch.tensor([r.tokens for r in rows], dtype=torch.long),  # [B, P]
+            "start": start,
+            "slots": slots,
+            "visible_rows": self._carrier(max(1, *(r.start for r in rows))),  # exactly the longest prefix: R + P rows read
+            "uniforms": torch.tensor([[r.uniform] for r in rows], dtype=torch.float32),  # [B, 1]
+            **SamplingTensors.of([r.sampling for r in rows], self.vocab_size).as_inputs(),
             **self._flat_states,
         }
         out = self.runner.run("prefill", {k: v for k, v in inputs.items() if k in self._input_names["prefill"]})
-        self._write_rows(out, torch.tensor([slot]), start + torch.arange(len(tokens))[None, :])
-        self.prefixes.prefilled(slot, start, tokens)
-        end = torch.tensor([start + len(tokens)])
-        return StepResult(out["first_token"][:, None], torch.zeros(1, dtype=torch.long), out["next_block"], end)
+        self._write_rows(out, slots, start[:, None] + torch.arange(length)[None, :])
+        for row in rows:
+            self.prefixes.prefilled(row.slot, row.start, row.tokens)
+        accepted = torch.zeros(len(rows), dtype=torch.long)
+        return StepResult(out["first_token"][:, None], accepted, out["next_block"], start + length)
 
     def copy_prefix(self, source: int, target: int, rows: int) -> None:
         """Copy the states of the first `rows` tokens of slot `source` into slot `target` (`StatePool.copy_sequence`):

@@ -45,14 +45,18 @@ class SlotPrefixes:
         for slot, held in self._tokens.items():
             if self._scopes.get(slot) != scope:
                 continue
-            n = min(len(held), len(wanted))
-            differs = np.flatnonzero(held[:n] != wanted[:n])
-            shared = int(differs[0]) if len(differs) else n
+            shared = _common_prefix(held, wanted)
             if self.whole and not shared == len(held) == self._ends.get(slot):
                 continue
             if shared > best:
                 best_slot, best = slot, shared
         return best_slot, best
+
+    def offers(self, held: list[int], prompt: list[int]) -> int:
+        """How many leading tokens of `prompt` a slot holding exactly `held` (its states ending after them) would let
+        it reuse, as `longest` counts them."""
+        shared = _common_prefix(np.asarray(held), np.asarray(prompt[:-1]))
+        return 0 if self.whole and shared < len(held) else shared
 
     def enter(self, slot: int, scope: Hashable) -> None:
         """`slot` now serves a request of `scope`: what it holds is reused only there."""
@@ -102,3 +106,10 @@ class SlotPrefixes:
         self._tokens[target] = self._tokens[source][:rows].copy()
         self._scopes[target] = self._scopes.get(source)
         self._ends[target] = rows
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading elements `a` and `b` share."""
+    n = min(len(a), len(b))
+    differs = (a[:n] != b[:n]).nonzero()[0]  # (not np.flatnonzero: half the cost)
+    return int(differs[0]) if len(differs) else n

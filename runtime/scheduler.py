@@ -1,10 +1,10 @@
 """In-flight batching: admit sequences into pool slots, run one batched step for all of them, retire them at once.
 
 Each `Scheduler.step()`:
-1. admits waiting sequences while slots are free (prefill, one prompt at a time, joining the running batch); while
-   others are generating, at most `prefill_chunk` prompt tokens per step, so a long prompt is prefilled in chunks
-   over several steps (each continuing the slot's rows where the last ended) and no stream waits for a whole
-   prompt's prefill between two of its tokens;
+1. admits waiting sequences while slots are free (prefill, joining the running batch; prompts admitted together
+   with as many tokens left to prefill share one call); while others are generating, at most `prefill_chunk`
+   prompt tokens per step, so a long prompt is prefilled in chunks over several steps (each continuing the slot's
+   rows where the last ended) and no stream waits for a whole prompt's prefill between two of its tokens;
 2. asks the verify policy how many drafted tokens to verify (k, the same for every row; 0 = plain decoding)
    and runs one graph call for every active sequence: `step` (verify 1 + k tokens, draft the next block) or
    `verify` (verify without drafting, when the policy expects not to use drafts next time);
@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from dflash_trt.runtime.engine import GraphEngine, StepBatch, StepResult
+from dflash_trt.runtime.engine import GraphEngine, PrefillRow, StepBatch, StepResult
 from dflash_trt.runtime.graph_io import WRITES
 from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
 from dflash_trt.runtime.sampling import SamplingTensors
@@ -432,34 +432,65 @@ class Scheduler:
         """Prefill: first the rest of a prompt prefilled in part, then waiting prompts in free slots, within this
         step's budget of prompt tokens (`prefill_chunk` while others generate, else unlimited). Once a chunk has run,
         a waiting prompt starts only if all of it fits in what is left: split there, its first chunk would be an
-        extra graph call for a prompt that completes in the next step either way."""
-        emitted = []
+        extra graph call for a prompt that completes in the next step either way. Prompts admitted one after another
+        with as many tokens left to prefill run in one call (`_group_takes`)."""
+        emitted: list[tuple[Sequence, list[int]]] = []
         budget = self.prefill_chunk if self.prefill_chunk and self._generating() else sys.maxsize
         fitting: int | None = None  # once a chunk has run: the most prompt tokens a waiting prompt may have left
-        while budget > 0:
-            began = time.perf_counter()
-            sequence = next((s for s in self.active if not s.prefilled), None) or self._take_waiting(fitting)
-            if sequence is None:
+        partial = next((s for s in self.active if not s.prefilled), None)
+        if partial is not None:
+            chunk = partial.prompt[partial.prefill_end : partial.prefill_end + budget]
+            emitted += self._prefill([(partial, chunk)])
+            budget = fitting = budget - len(chunk)
+        group: list[tuple[Sequence, list[int]]] = []  # admitted, not yet prefilled: (sequence, its chunk), one call
+        while budget > 0 and self._can_admit():
+            head = self.waiting[0]
+            left = len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope)
+            if group and not self._group_takes(group, head, left):
+                emitted += self._prefill(group)
+                group = []
+                continue  # the group's rows may shorten what `head` has left
+            if fitting is not None and left > fitting:
                 break
-            first = sequence.prefill_end
-            chunk = sequence.prompt[first : first + budget]
-            out = self.engine.prefill(sequence.slot, chunk, float(sequence.uniforms[0]), sequence.sampling, first)
-            self.last_prefill_seconds += time.perf_counter() - began
-            sequence.prefill_end, budget = first + len(chunk), budget - len(chunk)
+            sequence = self._take_waiting()
+            chunk = sequence.prompt[sequence.prefill_end : sequence.prefill_end + budget]
+            group.append((sequence, chunk))
+            budget -= len(chunk)
             fitting = budget
-            if sequence.prefilled:  # the last chunk's logits give the first token
-                block, start = out.next_block[0].numpy(), int(out.next_start[0])
-                emitted.append((sequence, sequence.commit(out.target_tokens[0].tolist(), 0, 0, block, start)))
+        if group:
+            emitted += self._prefill(group)
         return emitted
 
-    def _take_waiting(self, fitting: int | None) -> Sequence | None:
-        """The next waiting sequence, in a slot of its own (holding what prefix of its prompt it can), or None; with
-        `fitting`, only if at most that many of its prompt tokens are left to prefill."""
-        if not (self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active):
-            return None
-        head = self.waiting[0]
-        if fitting is not None and len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope) > fitting:
-            return None
+    def _group_takes(self, group: list[tuple[Sequence, list[int]]], head: Sequence, left: int) -> bool:
+        """Whether `head` (with `left` prompt tokens to prefill) joins the group's call: as many tokens left as each
+        of them, and no prompt of the group shares more of its prompt than a slot holds now (it waits for their rows,
+        to reuse them as if each prompt had been prefilled alone)."""
+        if left != len(group[0][1]):
+            return False
+        reused = len(head.prompt) - left
+        earlier = {tuple(s.prompt) for s, _ in group if s.prefix_scope == head.prefix_scope}  # (often one prompt many times)
+        return not any(self.engine.reusable_after(list(prompt), head.prompt) > reused for prompt in earlier)
+
+    def _prefill(self, group: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
+        """One prefill call for (sequence, chunk) pairs of equal chunk lengths -> the first token of each sequence whose
+        prompt it completed."""
+        began = time.perf_counter()
+        rows = [PrefillRow(s.slot, chunk, float(s.uniforms[0]), s.sampling, s.prefill_end) for s, chunk in group]
+        out = self.engine.prefill(rows)
+        self.last_prefill_seconds += time.perf_counter() - began
+        emitted = []
+        for row, (sequence, chunk) in enumerate(group):
+            sequence.prefill_end += len(chunk)
+            if sequence.prefilled:  # the last chunk's logits give the first token
+                block, start = out.next_block[row].numpy(), int(out.next_start[row])
+                emitted.append((sequence, sequence.commit(out.target_tokens[row].tolist(), 0, 0, block, start)))
+        return emitted
+
+    def _can_admit(self) -> bool:
+        return bool(self.waiting and self.engine.pool.free_slots and len(self.active) < self.max_active)
+
+    def _take_waiting(self) -> Sequence:
+        """The next waiting sequence, in a slot of its own holding what prefix of its prompt it can."""
         sequence = self.waiting.popleft()
         sequence.began = time.perf_counter()
         sequence.slot, reused = self.engine.acquire(sequence.prompt, sequence.prefix_scope)  # holds prompt[:reused]

@@ -22,7 +22,7 @@ from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair
 from dflash_trt.builder.repository import MANIFEST, is_complete_repository
 from dflash_trt.plugins.onnx_domain import DOMAIN
-from dflash_trt.runtime.engine import EngineSpec, StepBatch
+from dflash_trt.runtime.engine import EngineSpec, PrefillRow, StepBatch
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from dflash_trt.runtime.loop import generate, generate_plain
 from dflash_trt.runtime.repository import load_engine
@@ -210,7 +210,7 @@ def test_onnxruntime_step_rows_match_torch(interrupted_then_built, tiny_targets:
     prompts = [[3, 14, 15, 9, 26, 5, 35], [7, 8]]
     slots = torch.tensor([2, 3])
     firsts = [
-        [e.prefill(int(slot), p, 0.5, SamplingParams()) for slot, p in zip(slots, prompts, strict=True)]
+        [e.prefill([PrefillRow(int(slot), p, 0.5, SamplingParams())]) for slot, p in zip(slots, prompts, strict=True)]
         for e in (reference, ort_engine)
     ]
     block, start = torch.cat([f.next_block for f in firsts[0]]), torch.cat([f.next_start for f in firsts[0]])

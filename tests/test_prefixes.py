@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dflash_trt.runtime.engine import GraphEngine
+import torch
+from dflash_trt.runtime.engine import GraphEngine, PrefillRow
 from dflash_trt.runtime.loop import Sequence, generate, generate_plain
 from dflash_trt.runtime.prefixes import SlotPrefixes
 from dflash_trt.runtime.repository import load_engine
@@ -81,6 +82,34 @@ def test_a_shared_prompt_head_is_prefilled_once_and_outputs_stay_exact(engine: G
     assert [s.tokens for s in sequences] == whole
 
 
+def test_prompts_admitted_together_share_a_prefill_call_and_outputs_stay_exact(
+    engine: GraphEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts submitted together: the first two (as many tokens to prefill, one greedy, one seeded) run in one
+    prefill call; the third, sharing the first one's head, waits for its rows and reuses them as if each prompt had
+    been prefilled alone; every output equals the same request served alone."""
+    prompts = [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55], [40, 41, 42, 43, 44, 46], [60, 61, 62]]
+    samplings = (SamplingParams(), SamplingParams(temperature=0.9, seed=5), SamplingParams(), SamplingParams())
+    engine.reuse_prefixes = False
+    alone = [generate(engine, p, NEW_TOKENS, s).tokens for p, s in zip(prompts, samplings, strict=True)]
+    engine.reuse_prefixes = True
+    engine.prefixes = SlotPrefixes(whole=engine.recurrent)  # nothing held from the runs above
+    prefill_shapes = []
+    run = engine.runner.run
+
+    def counted(graph: str, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if graph == "prefill":
+            prefill_shapes.append(tuple(inputs["input_ids"].shape))
+        return run(graph, inputs)
+
+    monkeypatch.setattr(engine.runner, "run", counted)
+    sequences = [Sequence(p, NEW_TOKENS, s) for p, s in zip(prompts, samplings, strict=True)]
+    _serve_together(engine, sequences)
+    assert prefill_shapes == [(2, 6), (1, 1), (1, 3)]
+    assert [s.stats.reused_prompt_tokens for s in sequences] == [0, 0, 5, 0]
+    assert [s.tokens for s in sequences] == alone
+
+
 def test_a_conversation_turn_starts_after_the_previous_answer(engine: GraphEngine) -> None:
     """The next turn's prompt is the previous prompt + answer + new text: the conversation so far is reused (all of
     it, or all but the answer's last token if no step computed that token's rows), and the output equals prefilling
@@ -124,7 +153,7 @@ def test_a_prefill_past_the_rows_a_slot_holds_is_refused(engine: GraphEngine) ->
     try:
         engine.prefixes.written(slot, 0, 0)
         with pytest.raises(ValueError, match=rf"start=5: slot {slot} holds the rows of 0 prompt tokens"):
-            engine.prefill(slot, [1, 2], 0.0, SamplingParams(), start=5)
+            engine.prefill([PrefillRow(slot, [1, 2], 0.0, SamplingParams(), start=5)])
     finally:
         engine.pool.release(slot)
 

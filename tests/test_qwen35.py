@@ -21,7 +21,7 @@ from dflash_trt.builder.networks import KVCache, load_pair, load_target
 from dflash_trt.builder.tiny_checkpoints import peak_weights, write_tiny_drafter, write_tiny_tokenizer
 from dflash_trt.plugins.gated_delta_rule import gated_delta_rule
 from dflash_trt.plugins.onnx_domain import DOMAIN
-from dflash_trt.runtime.engine import GraphEngine, TorchRunner
+from dflash_trt.runtime.engine import GraphEngine, PrefillRow, TorchRunner
 from dflash_trt.runtime.graph_io import GRAPH_NAMES
 from dflash_trt.runtime.loop import generate
 from dflash_trt.runtime.sampling import SamplingParams
@@ -368,9 +368,9 @@ def test_a_conversation_turn_continues_the_slots_recurrent_states(qwen35_repo: P
     assert generate(engine, head_only, 24).tokens == other.tokens
     slot = engine.pool.acquire()
     try:
-        engine.prefill(slot, head_only, 0.0, SamplingParams())
+        engine.prefill([PrefillRow(slot, head_only, 0.0, SamplingParams())])
         with pytest.raises(ValueError, match=rf"start=2: slot {slot}'s recurrent states have taken in {len(head_only)} "):
-            engine.prefill(slot, head_only[2:], 0.0, SamplingParams(), start=2)
+            engine.prefill([PrefillRow(slot, head_only[2:], 0.0, SamplingParams(), start=2)])
     finally:
         engine.pool.release(slot)
 

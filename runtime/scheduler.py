@@ -445,13 +445,14 @@ class Scheduler:
         group: list[tuple[Sequence, list[int]]] = []  # admitted, not yet prefilled: (sequence, its chunk), one call
         while budget > 0 and self._can_admit():
             head = self.waiting[0]
-            left = len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope)
-            if group and not self._group_takes(group, head, left):
-                emitted += self._prefill(group)
-                group = []
-                continue  # the group's rows may shorten what `head` has left
-            if fitting is not None and left > fitting:
-                break
+            if group or fitting is not None:  # (else nothing depends on what it has left: not looked up)
+                left = len(head.prompt) - self.engine.reusable(head.prompt, head.prefix_scope)
+                if group and not self._group_takes(group, head, left):
+                    emitted += self._prefill(group)
+                    group = []
+                    continue  # the group's rows may shorten what `head` has left
+                if fitting is not None and left > fitting:
+                    break
             sequence = self._take_waiting()
             chunk = sequence.prompt[sequence.prefill_end : sequence.prefill_end + budget]
             group.append((sequence, chunk))

@@ -110,6 +110,21 @@ def test_prompts_admitted_together_share_a_prefill_call_and_outputs_stay_exact(
     assert [s.tokens for s in sequences] == alone
 
 
+def test_a_slot_taken_by_another_scope_offers_its_old_rows_to_no_one(engine: GraphEngine) -> None:
+    """Every slot holds a prompt of scope x; two prompts of scope y arrive together. The first takes a slot, whose
+    old rows it overwrites once prefilled; until then, the second (as many tokens to prefill if it could reuse the
+    head it shares with those rows) must not reuse them: they were another scope's."""
+    engine.reuse_prefixes = True
+    engine.prefixes = SlotPrefixes(whole=engine.recurrent)
+    held = SYSTEM[:12]
+    _serve_together(engine, [Sequence(list(held), 2, prefix_scope="x") for _ in range(engine.pool.slots)])
+    assert all(engine.prefixes.held(slot) >= len(held) for slot in range(engine.pool.slots))
+    first = Sequence([70 + i for i in range(8)], 2, prefix_scope="y")
+    second = Sequence(held[:6] + [80 + i for i in range(8)], 2, prefix_scope="y")  # 8 tokens left after 6 reused
+    _serve_together(engine, [first, second])
+    assert [first.stats.reused_prompt_tokens, second.stats.reused_prompt_tokens] == [0, 0]
+
+
 def test_a_conversation_turn_starts_after_the_previous_answer(engine: GraphEngine) -> None:
     """The next turn's prompt is the previous prompt + answer + new text: the conversation so far is reused (all of
     it, or all but the answer's last token if no step computed that token's rows), and the output equals prefilling

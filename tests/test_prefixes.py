@@ -87,8 +87,9 @@ def test_prompts_admitted_together_share_a_prefill_call_and_outputs_stay_exact(
 ) -> None:
     """Four prompts submitted together: the first two (as many tokens to prefill, one greedy, one seeded) run in one
     prefill call; the third, sharing the first one's head, waits for its rows and reuses them as if each prompt had
-    been prefilled alone; every output equals the same request served alone."""
-    prompts = [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55], [40, 41, 42, 43, 44, 46], [60, 61, 62]]
+    been prefilled alone, then shares a call with the fourth (2 tokens each, from positions 5 and 0); every output
+    equals the same request served alone."""
+    prompts = [[40, 41, 42, 43, 44, 45], [50, 51, 52, 53, 54, 55], [40, 41, 42, 43, 44, 46, 47], [60, 61]]
     samplings = (SamplingParams(), SamplingParams(temperature=0.9, seed=5), SamplingParams(), SamplingParams())
     engine.reuse_prefixes = False
     alone = [generate(engine, p, NEW_TOKENS, s).tokens for p, s in zip(prompts, samplings, strict=True)]
@@ -105,7 +106,7 @@ def test_prompts_admitted_together_share_a_prefill_call_and_outputs_stay_exact(
     monkeypatch.setattr(engine.runner, "run", counted)
     sequences = [Sequence(p, NEW_TOKENS, s) for p, s in zip(prompts, samplings, strict=True)]
     _serve_together(engine, sequences)
-    assert prefill_shapes == [(2, 6), (1, 1), (1, 3)]
+    assert prefill_shapes == [(2, 6), (2, 2)]
     assert [s.stats.reused_prompt_tokens for s in sequences] == [0, 0, 5, 0]
     assert [s.tokens for s in sequences] == alone
 

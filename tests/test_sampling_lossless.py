@@ -3,7 +3,8 @@
 The first generated token comes from prefill and the second is the target's sample at the first verify slot,
 so acceptance first matters for the third token: the test compares the joint law of the first three tokens
 (which includes that of the first two). The samples are served by the scheduler in batches of `SLOTS` (a seeded row's
-output equals the same request served alone: tests/test_batching.py), three times faster than one at a time."""
+output equals the same request served alone: tests/test_batching.py), their identical prompts prefilled in one call
+per admission (tests/test_prefixes.py): one run 11.5 s, against 70 s with a prefill call per sample (session 34)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the rows the graph returns at their (slot, position). The host never touches ten
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -167,7 +167,7 @@ class GraphEngine:
         """How many leading tokens of `prompt` `acquire` would find in a slot now (0 with reuse off)."""
         return self.prefixes.longest(prompt, scope)[1] if self.reuse_prefixes else 0
 
-    def reusable_after(self, earlier: list[int], prompt: list[int]) -> int:
+    def reusable_after(self, earlier: Sequence[int], prompt: list[int]) -> int:
         """How many leading tokens of `prompt` `acquire` would find in the slot of a prompt `earlier` of the same scope
         once that is prefilled (0 with reuse off)."""
         return self.prefixes.offers(earlier, prompt) if self.reuse_prefixes else 0

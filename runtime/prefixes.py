@@ -21,7 +21,7 @@ prompts in each run.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class SlotPrefixes:
                 best_slot, best = slot, shared
         return best_slot, best
 
-    def offers(self, held: list[int], prompt: list[int]) -> int:
+    def offers(self, held: Sequence[int], prompt: list[int]) -> int:
         """How many leading tokens of `prompt` a slot holding exactly `held` (its states ending after them) would let
         it reuse, as `longest` counts them."""
         shared = _common_prefix(np.asarray(held), np.asarray(prompt[:-1]))

@@ -470,7 +470,7 @@ class Scheduler:
             return False
         reused = len(head.prompt) - left
         earlier = {tuple(s.prompt) for s, _ in group if s.prefix_scope == head.prefix_scope}  # (often one prompt many times)
-        return not any(self.engine.reusable_after(list(prompt), head.prompt) > reused for prompt in earlier)
+        return not any(self.engine.reusable_after(prompt, head.prompt) > reused for prompt in earlier)
 
     def _prefill(self, group: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:
         """One prefill call for (sequence, chunk) pairs of equal chunk lengths -> the first token of each sequence whose

@@ -1,7 +1,8 @@
 """dflash-openai: an OpenAI-compatible front end for a served dflash repository.
 
 `/v1/models`, `/v1/completions` (raw text) and `/v1/chat/completions` (the repository's chat template), streamed
-by server-sent events or answered whole, with `max_tokens`, `temperature`, `top_p`, `seed`, `stop` and `usage`.
+by server-sent events or answered whole, with `max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `n` (and a list
+of prompts) and `usage`. The choices of a request are generated at once, each its own request to Triton.
 It tokenizes here (the repository holds the tokenizer), talks to the token-level `dflash` model over gRPC, so
 it fronts one replica or a fleet's balancer (and retries a request whose replica died, as the Python client
 does), and detokenizes incrementally. A `--backend trtllm` repository has no token-level model: there the prompt
@@ -17,11 +18,13 @@ import argparse
 import asyncio
 import itertools
 import json
+import queue
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -36,7 +39,8 @@ except ImportError:  # without the `serve` extra: main() says what to install
     StarletteRequest = Any  # type: ignore[misc,assignment]
 
 DISCONNECT_POLL_SECONDS = 0.05  # how often a completion answered whole checks that its client is still there
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
+MAX_CHOICES = 128  # choices of one request (n x prompts), OpenAI's limit of n
+UNSUPPORTED = {"best_of": 1, "echo": False, "logprobs": None, "suffix": None, "tools": None, "logit_bias": None}
 
 
 class InvalidRequest(ValueError):
@@ -56,11 +60,13 @@ class Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
-    def request(self, default_max_tokens: int) -> Request:
+    def requests(self, default_max_tokens: int) -> list[Request]:
+        """The request of each of a prompt's n choices: choice j sampled with seed + j when a seed is given."""
         for name, neutral in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name, neutral)
             if value != neutral:
@@ -69,7 +75,8 @@ class Sampling(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise InvalidRequest(f"stop={self.stop!r}: give up to 4 non-empty strings", "stop")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return Request(max_tokens, self.temperature, 0, self.top_p, self.seed, None, tuple(stops), True)
+        request = Request(max_tokens, self.temperature, 0, self.top_p, self.seed, None, tuple(stops), True)
+        return [request if self.seed is None else replace(request, seed=self.seed + j) for j in range(self.n)]
 
     @property
     def include_usage(self) -> bool:
@@ -160,21 +167,25 @@ class Frontend:
         self.model = model_name or Path(manifest["target"]["source"]).name
         self.url, self.default_max_tokens, self.created = triton_url, default_max_tokens, int(time.time())
 
-    def prompt(self, body: CompletionBody | ChatBody) -> tuple[str, list[int]]:
-        """The prompt as text (what a text-level model is sent) and as token ids (what the token-level model is sent,
-        and what `usage` counts). A prompt given as token ids goes to the token-level model as it is, once they are
-        known to the tokenizer (a text-level model gets their decoded text; the server checks them against the
-        engine's vocabulary too)."""
+    def prompts(self, body: CompletionBody | ChatBody) -> list[tuple[str, list[int]]]:
+        """Each prompt as text (what a text-level model is sent) and as token ids (what the token-level model is
+        sent, and what `usage` counts): the conversation of a chat, the prompt or prompts of a completion."""
         if isinstance(body, ChatBody):
             if not self.tokenizer.chat_template:
                 raise InvalidRequest(f"the model {self.model} has no chat template: use /v1/completions", "messages")
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             text = str(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
-            return text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return [(text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))]
         prompts = body.prompts()
-        if len(prompts) != 1:
-            raise InvalidRequest(f"{len(prompts)} prompts in one request: send one prompt per request", "prompt")
-        [prompt] = prompts
+        if not prompts or len(prompts) * body.n > MAX_CHOICES:
+            raise InvalidRequest(
+                f"{len(prompts)} prompts x n={body.n}: give 1 to {MAX_CHOICES} choices (prompts x n) per request", "prompt"
+            )
+        return [self._prompt(prompt) for prompt in prompts]
+
+    def _prompt(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        """A prompt given as token ids goes to the token-level model as it is, once they are known to the tokenizer
+        (a text-level model gets their decoded text; the server checks them against the engine's vocabulary too)."""
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer(prompt)["input_ids"])
         outside = [t for t in prompt if not 0 <= t < len(self.tokenizer)]
@@ -184,16 +195,18 @@ class Frontend:
             )
         return str(self.tokenizer.decode(prompt)), prompt
 
-    def generate(self, text: str, ids: list[int], request: Request) -> Generator[Answered, None, None]:
-        """Each response from Triton."""
+    def generate(
+        self, text: str, ids: list[int], request: Request, cancel: threading.Event | None = None
+    ) -> Generator[Answered, None, None]:
+        """Each response from Triton (`cancel`: see triton_client.grpc_stream)."""
         if self.text_level:
-            yield from self._generate_text(text, request)
+            yield from self._generate_text(text, request, cancel)
             return
         from dflash_trt.runtime.detokenize import TextStream
 
         text_stream, trim, generated, ended_by_eos = TextStream(self.tokenizer), StopTrim(request.stop_words), 0, False
         cached = None
-        for piece in stream_tokens(self.url, ids, request):
+        for piece in stream_tokens(self.url, ids, request, cancel=cancel):
             generated += len(piece["tokens"])
             ended_by_eos = ended_by_eos or any(t in self.eos for t in piece["tokens"])
             cached = piece["reused_prompt_tokens"]
@@ -202,15 +215,70 @@ class Frontend:
         finish = "stop" if trim.stopped or ended_by_eos or generated < request.max_tokens else "length"
         yield Answered(tail, finish, generated, cached)
 
-    def _generate_text(self, prompt: str, request: Request) -> Generator[Answered, None, None]:
+    def _generate_text(self, prompt: str, request: Request, cancel: threading.Event | None) -> Generator[Answered, None, None]:
         """The text-level path: the engine detokenizes; the completion's tokens are counted once it ended (a turn
         shorter than max_tokens ended by itself: "stop")."""
         trim, completion = StopTrim(request.stop_words), ""
-        for piece in stream_text(self.url, prompt, request):
+        for piece in stream_text(self.url, prompt, request, cancel=cancel):
             completion += piece["text"]
             yield Answered(trim.push(piece["text"], last=False), None, 0)
         tail, generated = trim.push("", last=True), len(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
         yield Answered(tail, "stop" if trim.stopped or generated < request.max_tokens else "length", generated)
+
+
+class Choices:
+    """The choices of one request (n per prompt, choice i of prompt i // n, OpenAI's order), generated at once: each
+    choice's stream is read in a thread of its own, their responses merged in arrival order as (choice, response).
+    Iterating to the end, an error, or `close` cancels every choice still running."""
+
+    def __init__(self, frontend: Frontend, choices: list[tuple[str, list[int], Request]]) -> None:
+        self.cancel = threading.Event()
+        self.arrived: queue.Queue[tuple[int, Answered | Exception | None]] = queue.Queue()  # None: that choice ended
+        self.running = len(choices)
+        for index, (text, ids, request) in enumerate(choices):
+            responses = frontend.generate(text, ids, request, self.cancel)
+            threading.Thread(target=self._read, args=(index, responses), daemon=True).start()
+
+    def _read(self, index: int, responses: Iterator[Answered]) -> None:
+        try:
+            for answer in responses:
+                self.arrived.put((index, answer))
+        except Exception as failure:  # raised to the reader, which answers the HTTP client with it
+            self.arrived.put((index, failure))
+        finally:
+            self.arrived.put((index, None))
+
+    def __iter__(self) -> Iterator[tuple[int, Answered]]:
+        try:
+            while self.running:
+                index, item = self.arrived.get()
+                if item is None:
+                    self.running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.cancel.set()
+
+
+def usage(prompts: list[list[int]], finals: Sequence[Answered]) -> dict[str, Any]:
+    """OpenAI's `usage` of a request: each prompt counted once, every choice's completion; the prompt tokens cached
+    are those every choice of a prompt reused (its choices are finals[i * n : (i + 1) * n])."""
+    prompt_tokens, completion_tokens = sum(len(ids) for ids in prompts), sum(a.completion_tokens for a in finals)
+    counts: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    reused = [a.cached_tokens for a in finals if a.cached_tokens is not None]
+    if len(reused) == len(finals):  # as OpenAI reports prompt caching
+        n = len(finals) // len(prompts)
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(min(reused[i : i + n]) for i in range(0, len(reused), n))}
+    return counts
 
 
 def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
@@ -221,19 +289,20 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
     app = FastAPI(title="dflash-openai")
 
     class ClosingStreamingResponse(StreamingResponse):
-        """Closes its events as soon as sending ends, however it ends. When the client has gone mid-stream, Starlette
-        stops sending but leaves a sync iterator to the garbage collector: its request went on generating for ~4 s
-        more (the demo pair, 2 cores) before a collection closed the stream that cancels it."""
+        """Cancels its choices as soon as sending ends, however it ends. When the client has gone mid-stream,
+        Starlette stops sending but leaves a sync iterator to the garbage collector: a request went on generating
+        for ~4 s more (the demo pair, 2 cores) before a collection closed the stream that cancels it."""
 
-        def __init__(self, events: Generator[str, None, None], media_type: str) -> None:
-            super().__init__(events, media_type=media_type)
-            self.events = events
+        def __init__(self, events: Generator[str, None, None], choices: Choices) -> None:
+            super().__init__(events, media_type="text/event-stream")
+            self.events, self.choices = events, choices
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # noqa: ANN401 (ASGI)
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                self.events.close()  # closes the Triton stream, which cancels the request if it is still running
+                self.events.close()
+                self.choices.close()  # every Triton stream still open closes and cancels its request
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
@@ -273,61 +342,55 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
                 "invalid_request_error",
                 "model",
             )
-        text, ids = await run_in_threadpool(frontend.prompt, body)
-        request = body.request(frontend.default_max_tokens)
+        prompts = await run_in_threadpool(frontend.prompts, body)
+        requests = body.requests(frontend.default_max_tokens)
+        choices = Choices(frontend, [(text, ids, request) for text, ids in prompts for request in requests])
+        count, prompt_ids = len(prompts) * len(requests), [ids for _, ids in prompts]
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()),
             "model": frontend.model,
         }
 
-        def usage(last: Answered) -> dict[str, Any]:
-            counts: dict[str, Any] = {"prompt_tokens": len(ids), "completion_tokens": last.completion_tokens}
-            counts["total_tokens"] = len(ids) + last.completion_tokens
-            if last.cached_tokens is not None:  # as OpenAI reports prompt caching
-                counts["prompt_tokens_details"] = {"cached_tokens": last.cached_tokens}
-            return counts
-
-        def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+        def choice(index: int, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
             if not chat:
-                return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             key, content = ("delta", {"content": text}) if delta else ("message", {"role": "assistant", "content": text})
-            return {"index": 0, key: content, "logprobs": None, "finish_reason": finish}
+            return {"index": index, key: content, "logprobs": None, "finish_reason": finish}
 
         if not body.stream:  # streamed from Triton all the same, so that a client that leaves is noticed between steps
-            answers = await read_while_connected(frontend.generate(text, ids, request), connection)
-            completion, last = "".join(answer.text for answer in answers), answers[-1]
+            answers: list[list[Answered]] = [[] for _ in range(count)]
+            for index, answer in await read_while_connected(choices, connection):
+                answers[index].append(answer)
             kind = "chat.completion" if chat else "text_completion"
-            return {**head, "object": kind, "choices": [choice(completion, last.finish, False)], "usage": usage(last)}
+            texts = ["".join(a.text for a in per_choice) for per_choice in answers]
+            finals = [per_choice[-1] for per_choice in answers]
+            listed = [choice(i, texts[i], finals[i].finish, False) for i in range(count)]
+            return {**head, "object": kind, "choices": listed, "usage": usage(prompt_ids, finals)}
 
         kind = "chat.completion.chunk" if chat else "text_completion"
-        responses = frontend.generate(text, ids, request)
-        first = await run_in_threadpool(next, responses)  # a refused request gets its HTTP error here, before the stream
+        merged = iter(choices)
+        first = await run_in_threadpool(next, merged)  # a refused request gets its HTTP error here, before the stream
 
         def events() -> Generator[str, None, None]:
-            last = first
+            finals: dict[int, Answered] = {}
             if chat:
-                yield _sse(
-                    {
-                        **head,
-                        "object": kind,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-                    }
-                )
+                for index in range(count):
+                    opening = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield _sse({**head, "object": kind, "choices": [opening]})
             try:
-                for last in itertools.chain([first], responses):
-                    if last.text or last.finish:
-                        yield _sse({**head, "object": kind, "choices": [choice(last.text, last.finish, True)]})
+                for index, answer in itertools.chain([first], merged):
+                    finals[index] = answer
+                    if answer.text or answer.finish:
+                        yield _sse({**head, "object": kind, "choices": [choice(index, answer.text, answer.finish, True)]})
             except ServerError as failure:
                 yield _sse({"error": {"message": str(failure), "type": "server_error", "param": None, "code": None}})
                 return
-            finally:
-                responses.close()  # closed early (the client left): the Triton stream closes and cancels the request
             if body.include_usage:
-                yield _sse({**head, "object": kind, "choices": [], "usage": usage(last)})
+                yield _sse({**head, "object": kind, "choices": [], "usage": usage(prompt_ids, [finals[i] for i in range(count)])})
             yield "data: [DONE]\n\n"
 
-        return ClosingStreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStreamingResponse(events(), choices)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, connection: StarletteRequest) -> Any:  # noqa: ANN401
@@ -340,27 +403,14 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
     return app
 
 
-async def read_while_connected(responses: Generator[Answered, None, None], connection: Any) -> list[Answered]:  # noqa: ANN401
-    """Every response of a completion answered whole, read in a worker thread; a client that leaves meanwhile (its
-    timeout, say) stops the reading, which cancels the request on the server (Starlette cancels no handler when its
-    client leaves). Checked every DISCONNECT_POLL_SECONDS; the reading stops at the next response (a step)."""
-    left = threading.Event()
-
-    def read() -> list[Answered]:
-        answers = []
-        try:
-            for answer in responses:
-                answers.append(answer)
-                if left.is_set():
-                    break
-        finally:
-            responses.close()  # closes the Triton stream: cancels the request if it is still running
-        return answers
-
-    reading = asyncio.ensure_future(run_in_threadpool(read))
+async def read_while_connected(choices: Choices, connection: Any) -> list[tuple[int, Answered]]:  # noqa: ANN401
+    """Every response of a request answered whole, read in a worker thread; a client that leaves meanwhile (its
+    timeout, say) cancels its choices on the server (Starlette cancels no handler when its client leaves). Checked
+    every DISCONNECT_POLL_SECONDS."""
+    reading = asyncio.ensure_future(run_in_threadpool(list, choices))
     while not reading.done():
         if await connection.is_disconnected():
-            left.set()
+            choices.close()
             break
         await asyncio.wait({reading}, timeout=DISCONNECT_POLL_SECONDS)
     return await reading

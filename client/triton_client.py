@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -47,6 +48,7 @@ class Retry:
 
 # Answers of a replica that cannot run the request, which another replica (or this one restarted) can serve:
 # tritonserver shutting down after SIGTERM, or a model whose Python-backend stub died (dflash-serve restarts it).
+CANCEL_POLL_SECONDS = 0.05  # how often a stream waiting for a response checks its `cancel` event
 CANNOT_SERVE = ("Server not ready", "has no available versions", "Request for unknown model", "is not healthy")
 
 
@@ -145,11 +147,18 @@ def grpc_inputs(prompt_name: str, prompt: np.ndarray, fields: dict[str, Any]) ->
 
 
 def grpc_stream(
-    url: str, model: str, inputs: list[grpcclient.InferInput], outputs: tuple[str, ...], timeout: float = 600.0
+    url: str,
+    model: str,
+    inputs: list[grpcclient.InferInput],
+    outputs: tuple[str, ...],
+    timeout: float = 600.0,
+    cancel: threading.Event | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """One decoupled request over a gRPC stream: yields each non-empty response's named outputs. A consumer that
     stops early (closes the generator: Ctrl-C, a disconnected HTTP client upstream) cancels the request, which frees
-    its slot on the server within a step; closing the stream without cancelling would wait for the whole answer."""
+    its slot on the server within a step; closing the stream without cancelling would wait for the whole answer.
+    `cancel`, set from another thread, does the same for a consumer that cannot close the generator (one waiting in
+    it for the next response): the generator ends within CANCEL_POLL_SECONDS, even while the request still queues."""
     client = grpcclient.InferenceServerClient(url)
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     ended = False  # the final response (or an error) arrived: nothing is left to cancel
@@ -161,9 +170,12 @@ def grpc_stream(
             raise StreamBroken(f"{url}: {_stream_failure(answers, failure)}") from None
         while True:
             try:
-                result, error = answers.get(timeout=timeout)
+                arrived = _next_answer(answers, timeout, cancel)
             except queue.Empty:
                 raise StreamBroken(f"no response from {url} in {timeout:.0f} s") from None
+            if arrived is None:
+                return  # cancelled: the request is cancelled on the way out
+            result, error = arrived
             if error is not None:  # the model's answer carries no gRPC status; a failed stream does
                 ended = True
                 broken = error.status() is not None or any(answer in str(error) for answer in CANNOT_SERVE)
@@ -177,6 +189,20 @@ def grpc_stream(
     finally:
         client.stop_stream(cancel_requests=not ended)
         client.close()
+
+
+def _next_answer(answers: queue.Queue[tuple[Any, Any]], timeout: float, cancel: threading.Event | None) -> tuple[Any, Any] | None:
+    """The stream's next (result, error); None once `cancel` is set. Raises queue.Empty after `timeout` seconds."""
+    if cancel is None:
+        return answers.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while not cancel.is_set():
+        try:
+            return answers.get(timeout=min(CANCEL_POLL_SECONDS, max(deadline - time.monotonic(), 0.0)))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                raise
+    return None
 
 
 def _stream_failure(answers: queue.Queue[tuple[Any, Any]], failure: grpcclient.InferenceServerException) -> str:
@@ -226,13 +252,19 @@ def resumed(attempt: Callable[[], Iterator[Piece]], key: str, request: Request, 
 
 
 def stream_tokens(
-    url: str, input_ids: list[int], request: Request, timing: Timing | None = None, retry: Retry = Retry()
+    url: str,
+    input_ids: list[int],
+    request: Request,
+    timing: Timing | None = None,
+    retry: Retry = Retry(),
+    cancel: threading.Event | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response."""
+    """Token ids in, token ids out through the `dflash` model: yields {"tokens": [...], stats...} per response
+    (`cancel`: see grpc_stream)."""
     inputs = grpc_inputs("input_ids", np.asarray(input_ids, dtype=np.int64), request.fields())
 
     def attempt() -> Iterator[dict[str, Any]]:
-        for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS)):
+        for arrays in grpc_stream(url, "dflash", inputs, ("output_ids", *STAT_OUTPUTS), cancel=cancel):
             yield {
                 "tokens": arrays["output_ids"].reshape(-1).tolist(),
                 **{k: v.reshape(-1)[0].item() for k, v in arrays.items() if k != "output_ids"},
@@ -245,13 +277,19 @@ def stream_tokens(
 
 
 def stream_text(
-    url: str, text: str, request: Request, timing: Timing | None = None, retry: Retry = Retry()
+    url: str,
+    text: str,
+    request: Request,
+    timing: Timing | None = None,
+    retry: Retry = Retry(),
+    cancel: threading.Event | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response."""
+    """Text in, text out through the `ensemble`: yields {"text": "...", stats...} per response (`cancel`: see
+    grpc_stream)."""
     inputs = grpc_inputs("text_input", np.array([text.encode("utf-8")], dtype=object), _text_fields(request))
 
     def attempt() -> Iterator[dict[str, Any]]:
-        for arrays in grpc_stream(url, "ensemble", inputs, ("text_output", *STAT_OUTPUTS)):
+        for arrays in grpc_stream(url, "ensemble", inputs, ("text_output", *STAT_OUTPUTS), cancel=cancel):
             yield _text_answer(arrays)
 
     for piece in resumed(attempt, "text", request, retry):

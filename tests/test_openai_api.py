@@ -28,6 +28,7 @@ from tests.conftest import openai_front_end, running_server
 pytestmark = pytest.mark.slow
 TEMPLATE = "{% for m in messages %}w1 {{ m['content'] }} w2 {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
 PROMPT = "w5 w35 w89 w7"
+OTHER_PROMPT = "w12 w9 w40"
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +112,55 @@ def test_a_prompt_as_token_ids_is_the_same_prompt(client: openai.OpenAI, chat_re
         assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
 
 
+def test_n_choices_of_each_prompt_at_once(client: openai.OpenAI, chat_repo: Path) -> None:
+    """n choices of each prompt of a list, in OpenAI's order (choice i of prompt i // n), generated at once: greedy
+    ones equal the engine's output for their prompt; sampled choice j of a seeded request equals that request sent
+    alone with seed + j, streamed or answered whole; usage counts each prompt once and every choice's tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
+    engine, _ = load_engine(chat_repo)
+    prompts = [PROMPT, OTHER_PROMPT]
+    expected = [
+        tokenizer.decode(generate(engine, tokenizer(p)["input_ids"], 12).tokens, skip_special_tokens=True) for p in prompts
+    ]
+    greedy = client.completions.create(model="", prompt=prompts, n=2, max_tokens=12, temperature=0)
+    assert [(c.index, c.text) for c in greedy.choices] == [(i, expected[i // 2]) for i in range(4)]
+    lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
+    assert greedy.usage is not None and (greedy.usage.prompt_tokens, greedy.usage.completion_tokens) == (sum(lengths), 48)
+
+    alone = [
+        client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=7 + j).choices[0].text
+        for j in range(3)
+    ]
+    assert len(set(alone)) > 1, "three seeds gave one sample: the test would prove nothing"
+    whole = client.completions.create(model="", prompt=PROMPT, n=3, max_tokens=16, temperature=1.0, seed=7)
+    assert [c.text for c in sorted(whole.choices, key=lambda c: c.index)] == alone
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(model="", prompt=PROMPT, n=3, max_tokens=16, temperature=1.0, seed=7, stream=True):
+        for part in chunk.choices:
+            streamed[part.index] += part.text
+    assert streamed == alone
+    chat = client.chat.completions.create(
+        model="",
+        messages=[{"role": "user", "content": PROMPT}],
+        n=2,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    roles, contents = [[], []], ["", ""]
+    for chunk in chat:
+        for part in chunk.choices:
+            roles[part.index] += [part.delta.role] if part.delta.role else []
+            contents[part.index] += part.delta.content or ""
+    assert roles == [["assistant"], ["assistant"]] and contents[0] == contents[1] != ""
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"n": 2}, "n=2"),
+        ({"n": 0}, "n: Input should be greater than or equal to 1"),
+        ({"prompt": [PROMPT] * 40, "n": 4}, "40 prompts x n=4: give 1 to 128 choices"),
+        ({"best_of": 2}, "best_of=2 is not supported"),
         ({"temperature": 5}, "temperature"),
         ({"max_tokens": 100000}, "exceeds the maximum sequence length"),
         ({"stop": 5}, "stop: give a string or a list of up to 4 strings"),
@@ -131,12 +177,12 @@ def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: di
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path, stream: bool) -> None:
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 3)])
+def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path, stream: bool, n: int) -> None:
     """An HTTP client gone mid-answer (streamed: after its first event; answered whole: once its request runs, as a
-    client timeout would) cancels its request on the server at once, long before the tokens it asked for (the
-    counter counts a request's tokens when it ends). Before, a streamed request ran on until a garbage collection
-    closed its stream, and one answered whole ran to its end."""
+    client timeout would) cancels its requests on the server at once (all n choices'), long before the tokens it
+    asked for (the counter counts a request's tokens when it ends). Before, a streamed request ran on until a
+    garbage collection closed its stream, and one answered whole ran to its end."""
     tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
     engine, _ = load_engine(chat_repo)
     asked = 200
@@ -144,7 +190,7 @@ def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Port
     assert len(alone) == asked, "the prompt ends by itself: the test would prove nothing"
     metrics = f"http://localhost:{triton.metrics}/metrics"
     generated = _metric(metrics, "dflash_generated_tokens_total")
-    body = {"model": "", "prompt": PROMPT, "max_tokens": asked, "temperature": 0, "stream": stream}
+    body = {"model": "", "prompt": PROMPT, "max_tokens": asked, "temperature": 0, "stream": stream, "n": n}
     front = urllib.parse.urlsplit(str(client.base_url))
     connection = http.client.HTTPConnection(front.hostname or "", front.port, timeout=60)
     connection.request("POST", f"{front.path}completions", json.dumps(body), {"content-type": "application/json"})
@@ -154,7 +200,7 @@ def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Port
         _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 1, "the request never ran")
     connection.close()
     _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 0, "the request went on after its client left")
-    assert _metric(metrics, "dflash_generated_tokens_total") - generated < asked / 2
+    assert _metric(metrics, "dflash_generated_tokens_total") - generated < n * asked / 2
 
 
 def _wait_for(condition: Callable[[], bool], failure: str, seconds: float = 10.0) -> None:

@@ -177,11 +177,11 @@ def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: di
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=8)
 
 
-@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 3)])
+@pytest.mark.parametrize(("stream", "n"), [(True, 1), (False, 1), (True, 12)])
 def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path, stream: bool, n: int) -> None:
     """An HTTP client gone mid-answer (streamed: after its first event; answered whole: once its request runs, as a
-    client timeout would) cancels its requests on the server at once (all n choices'), long before the tokens it
-    asked for (the counter counts a request's tokens when it ends). Before, a streamed request ran on until a
+    client timeout would) cancels its requests on the server at once (all n choices', those still waiting for one of
+    the 8 slots too), long before the tokens it asked for (the counter counts a request's tokens when it ends). Before, a streamed request ran on until a
     garbage collection closed its stream, and one answered whole ran to its end."""
     tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
     engine, _ = load_engine(chat_repo)
@@ -200,6 +200,7 @@ def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Port
         _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 1, "the request never ran")
     connection.close()
     _wait_for(lambda: _metric(metrics, "dflash_running_requests") == 0, "the request went on after its client left")
+    _wait_for(lambda: _metric(metrics, "dflash_waiting_requests") == 0, "a choice still waits after its client left")
     assert _metric(metrics, "dflash_generated_tokens_total") - generated < n * asked / 2
 
 

@@ -46,9 +46,9 @@ class Retry:
         time.sleep(min(self.backoff_seconds * 2 ** (failed_tries - 1), self.max_backoff_seconds))
 
 
+CANCEL_POLL_SECONDS = 0.05  # how often a stream waiting for a response checks its `cancel` event
 # Answers of a replica that cannot run the request, which another replica (or this one restarted) can serve:
 # tritonserver shutting down after SIGTERM, or a model whose Python-backend stub died (dflash-serve restarts it).
-CANCEL_POLL_SECONDS = 0.05  # how often a stream waiting for a response checks its `cancel` event
 CANNOT_SERVE = ("Server not ready", "has no available versions", "Request for unknown model", "is not healthy")
 
 

@@ -181,8 +181,9 @@ def test_bad_requests_get_openai_shaped_errors(client: openai.OpenAI, fields: di
 def test_a_client_that_leaves_frees_its_slot(client: openai.OpenAI, triton: Ports, chat_repo: Path, stream: bool, n: int) -> None:
     """An HTTP client gone mid-answer (streamed: after its first event; answered whole: once its request runs, as a
     client timeout would) cancels its requests on the server at once (all n choices', those still waiting for one of
-    the 8 slots too), long before the tokens it asked for (the counter counts a request's tokens when it ends). Before, a streamed request ran on until a
-    garbage collection closed its stream, and one answered whole ran to its end."""
+    the 8 slots too), long before the tokens it asked for (the counter counts a request's tokens when it ends).
+    Before, a streamed request ran on until a garbage collection closed its stream, and one answered whole ran to
+    its end."""
     tokenizer = AutoTokenizer.from_pretrained(chat_repo / TOKENIZER_DIR)
     engine, _ = load_engine(chat_repo)
     asked = 200

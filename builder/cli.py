@@ -129,6 +129,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the drafter's side on its own (its layers, tap projection and LM-head copy): none | int8 | int4; drafts "
         "are verified, so this changes acceptance and speed, never output (default: as --quantize)",
     )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the drafter proposes only token ids below N: its LM head cut to the first N rows, a cheaper draft (the "
+        "target verifies every token, so output never changes; byte-level BPE ids run roughly by frequency); 0: the "
+        "whole vocabulary. ONNX engines (onnxruntime, tensorrt)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
     parser.add_argument("--output", type=Path, help="model repository directory to write")
@@ -200,6 +209,18 @@ def calibrate(
     return collect_linear_inputs(target, drafter, windows, block_size)
 
 
+def _check_draft_vocab(draft_vocab: int, vocab_size: int, backend: str) -> None:
+    if not 0 <= draft_vocab <= vocab_size:
+        raise ValueError(
+            f"--draft-vocab {draft_vocab} must be in [1, {vocab_size}] (the target's vocabulary), or 0 for all of it"
+        )
+    if draft_vocab and backend == "torch-cuda":
+        raise ValueError(
+            "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); torch-cuda "
+            "runs the checkpoints as they are"
+        )
+
+
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
     if not 2 <= block_size <= 64:
         raise ValueError(f"--block-size {block_size} must be in [2, 64]")
@@ -229,6 +250,7 @@ def build(args: argparse.Namespace) -> Path | None:
     drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
     if backend == "tensorrt":
         require_tensorrt()
+    _check_draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
     if drafter_dir is None:
         print(
@@ -266,12 +288,13 @@ def build(args: argparse.Namespace) -> Path | None:
             graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
             modes = (quantization, drafter_quantization)
             calibration = calibrate(target, drafter, repo / TOKENIZER_DIR, block_size, modes)
+            draft_vocab = 0 if args.draft_vocab == spec.vocab_size else args.draft_vocab  # 0: nothing to cut
             if args.export_cache is None:
-                paths = export_engines_onnx(graphs, spec, engine_dir, *modes, calibration)
-            else:  # the float graphs through the cache, then quantized and packaged from there
+                paths = export_engines_onnx(graphs, spec, engine_dir, *modes, calibration, draft_vocab)
+            else:  # the float graphs through the cache, then quantized (draft head cut) and packaged from there
                 record = key_record(spec, hashes["target"], hashes["drafter"])
                 exported = cached_export(ExportCache(args.export_cache), record, partial(export_engines_onnx, graphs, spec))
-                paths = package_exported(exported, engine_dir, *modes, calibration)
+                paths = package_exported(exported, engine_dir, *modes, calibration, draft_vocab)
         if backend == "tensorrt":
             for path in paths:
                 build_plan(path, path.with_suffix(".plan"), path.stem, spec)
@@ -286,7 +309,7 @@ def build(args: argparse.Namespace) -> Path | None:
             "eos_token_ids": list(target.config.eos_token_ids),
             "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": hashes["target"],
                        "not_built": skipped_weights(target_dir)},
-            "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"]},
+            "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"], "vocab": args.draft_vocab or spec.vocab_size},
         })  # fmt: skip
     return args.output
 
@@ -298,6 +321,8 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
             "--quantize/--quantize-drafter quantize this toolkit's own engines; TensorRT-LLM loads quantized weights "
             "from the checkpoint: pass a quantized checkpoint (e.g. an FP8 one) as --model"
         )
+    if args.draft_vocab:
+        raise ValueError("--draft-vocab cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
     parallel = Parallelism(args.tp, args.pp, args.ep)
     check_parallelism(target, parallel)
     alias = ALIASES.get(args.model.lower())

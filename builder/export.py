@@ -27,6 +27,7 @@ import onnxscript.optimizer
 import onnxscript.rewriter
 import torch
 from dflash_trt.builder.calibration import LinearInputs
+from dflash_trt.builder.draft_vocab import DRAFTING_GRAPHS, cut_draft_head
 from dflash_trt.builder.graphs import DFlashGraphs, graph_module
 from dflash_trt.builder.quantize import MODES, QuantizationMode, quantize_graph
 from dflash_trt.plugins import block_denoise, causal_conv1d, gated_delta_rule, hidden_state_tap
@@ -228,13 +229,15 @@ def package_exported(
     quantization: QuantizationMode = MODES["none"],
     drafter_quantization: QuantizationMode | None = None,
     calibration: dict[str, LinearInputs] | None = None,
+    draft_vocab: int = 0,
 ) -> list[Path]:
-    """The float graphs an earlier export wrote into `source` (the export cache), quantized as asked and written
-    into `directory` with their own weights.bin, as `export_engines_onnx` would have written them. Float graphs
-    are copied: the same bytes an export writes (not hard links: onnx refuses external data with several)."""
-    if quantizes(quantization, drafter_quantization):
+    """The float graphs an earlier export wrote into `source` (the export cache), quantized (and their draft head
+    cut) as asked and written into `directory` with their own weights.bin, as `export_engines_onnx` would have
+    written them. Float graphs are copied: the same bytes an export writes (not hard links: onnx refuses external
+    data with several)."""
+    if quantizes(quantization, drafter_quantization) or draft_vocab:
         graph = lambda name: ir.load(source / f"{name}.onnx")  # noqa: E731
-        return write_engines(graph, directory, quantization, drafter_quantization, calibration)
+        return write_engines(graph, directory, quantization, drafter_quantization, calibration, draft_vocab)
     for name in (*[f"{graph}.onnx" for graph in GRAPH_NAMES], WEIGHTS_FILE):
         shutil.copyfile(source / name, directory / name)
     return [directory / f"{name}.onnx" for name in GRAPH_NAMES]
@@ -246,15 +249,18 @@ def write_engines(
     quantization: QuantizationMode,
     drafter_quantization: QuantizationMode | None,
     calibration: dict[str, LinearInputs] | None = None,
+    draft_vocab: int = 0,
 ) -> list[Path]:
-    """Each graph of GRAPH_NAMES as `graph(name)` gives it, quantized (Q/DQ modes: from `calibration`), its weights
-    placed in WEIGHTS_FILE."""
+    """Each graph of GRAPH_NAMES as `graph(name)` gives it, its draft head cut to `draft_vocab` ids (0: the whole
+    vocabulary), quantized (Q/DQ modes: from `calibration`), its weights placed in WEIGHTS_FILE."""
     drafter_mode = drafter_quantization or quantization
     paths = []
     with open(directory / WEIGHTS_FILE, "wb") as blob:
         weights = SharedWeights(blob, directory)
         for name in GRAPH_NAMES:
             model = graph(name)
+            if draft_vocab and name in DRAFTING_GRAPHS:
+                cut_draft_head(model, draft_vocab, name)
             if quantizes(quantization, drafter_mode):
                 began = time.perf_counter()
                 model = ir.serde.deserialize_model(quantize_graph(with_weights(model), quantization, drafter_mode, calibration))

@@ -145,9 +145,11 @@ def export_engines_onnx(
     quantization: QuantizationMode = MODES["none"],
     drafter_quantization: QuantizationMode | None = None,
     calibration: dict[str, LinearInputs] | None = None,
+    draft_vocab: int = 0,
 ) -> list[Path]:
     """Export every graph of GRAPH_NAMES into `directory` (which must exist), traced in parallel, the target's
     linear layers quantized as `quantization` says and the drafter's as `drafter_quantization` (default: the
-    same; Q/DQ modes set from `calibration`); returns the graph paths."""
+    same; Q/DQ modes set from `calibration`), the drafter's LM head cut to `draft_vocab` ids (0: whole); returns
+    the graph paths."""
     with traced_in_parallel(graphs, spec, directory) as traced:
-        return write_engines(traced, directory, quantization, drafter_quantization, calibration)
+        return write_engines(traced, directory, quantization, drafter_quantization, calibration, draft_vocab)

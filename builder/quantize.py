@@ -106,18 +106,24 @@ def _mode_record(mode: QuantizationMode) -> dict[str, object]:
     }
 
 
+HEAD_PARAMETERS = ("lm_head_weight", "embed_tokens_weight")  # the LM head, or the embedding when tied
+
+
+def reads_lm_head(fx_node: str) -> bool:
+    """Whether a node's traced torch node (its `pkg.torch.onnx.fx_node` metadata) takes the LM head as an argument."""
+    return fx_node.split("args = (")[-1].split(")")[0].endswith(HEAD_PARAMETERS)
+
+
+def in_target_scope(name_scopes: str) -> bool:
+    """Whether a node's module scopes (its `pkg.torch.onnx.name_scopes` metadata) lie in the target network."""
+    return "'target'" in name_scopes
+
+
 def lm_head_nodes(model: onnx.ModelProto) -> list[str]:
     """MatMul nodes applying the LM head (the target's, and the drafter's use of it): those whose weight is the
     `lm_head` parameter, or the embedding when tied, as the exporter recorded in each node's metadata, and every
     MatMul sharing that weight. (A weight's shape cannot tell: a projection may have as many outputs as the vocab.)"""
-    head_parameters = ("lm_head_weight", "embed_tokens_weight")
-    traced = [
-        node
-        for node in model.graph.node
-        if node.op_type == "MatMul"
-        and any(p.key == "pkg.torch.onnx.fx_node" and p.value.split("args = (")[-1].split(")")[0].endswith(head_parameters)
-                for p in node.metadata_props)
-    ]  # fmt: skip
+    traced = [node for node in model.graph.node if node.op_type == "MatMul" and reads_lm_head(_metadata(node, "fx_node"))]
     weights = {node.input[1] for node in traced}
     return [node.name for node in model.graph.node if node.op_type == "MatMul" and node.input[1] in weights]
 
@@ -130,7 +136,7 @@ def drafter_nodes(model: onnx.ModelProto) -> list[str]:
     head = set(lm_head_nodes(model))
     found = []
     for node in model.graph.node:
-        if node.op_type != "MatMul" or node.input[1] not in constants or "'target'" in _metadata(node, "name_scopes"):
+        if node.op_type != "MatMul" or node.input[1] not in constants or in_target_scope(_metadata(node, "name_scopes")):
             continue
         if node.name not in head and "p_drafter_" not in _metadata(node, "fx_node"):
             raise ValueError(f"MatMul {node.name} is outside the target's scope but reads no drafter weight")

@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": manifest["backend"],
         "quantization": quantization["mode"],
         "drafter_quantization": quantization.get("drafter", quantization)["mode"],
+        "draft_vocab": manifest["drafter"].get("vocab"),  # token ids the drafter may propose (dflash-build --draft-vocab)
         "single_rows_padded": single_rows_padded(manifest),  # one-row calls run as two (AVX2 int4)
         "engine_bytes": engine_bytes(args.repo),
         "engine_threads": threads,

@@ -209,7 +209,8 @@ def calibrate(
     return collect_linear_inputs(target, drafter, windows, block_size)
 
 
-def _check_draft_vocab(draft_vocab: int, vocab_size: int, backend: str) -> None:
+def _draft_vocab(draft_vocab: int, vocab_size: int, backend: str) -> int:
+    """The ids to cut the drafter's LM head to; 0: nothing to cut (--draft-vocab 0, or the whole vocabulary)."""
     if not 0 <= draft_vocab <= vocab_size:
         raise ValueError(
             f"--draft-vocab {draft_vocab} must be in [1, {vocab_size}] (the target's vocabulary), or 0 for all of it"
@@ -219,6 +220,7 @@ def _check_draft_vocab(draft_vocab: int, vocab_size: int, backend: str) -> None:
             "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); torch-cuda "
             "runs the checkpoints as they are"
         )
+    return 0 if draft_vocab == vocab_size else draft_vocab
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
@@ -250,7 +252,7 @@ def build(args: argparse.Namespace) -> Path | None:
     drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
     if backend == "tensorrt":
         require_tensorrt()
-    _check_draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
+    draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
     if drafter_dir is None:
         print(
@@ -288,7 +290,6 @@ def build(args: argparse.Namespace) -> Path | None:
             graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
             modes = (quantization, drafter_quantization)
             calibration = calibrate(target, drafter, repo / TOKENIZER_DIR, block_size, modes)
-            draft_vocab = 0 if args.draft_vocab == spec.vocab_size else args.draft_vocab  # 0: nothing to cut
             if args.export_cache is None:
                 paths = export_engines_onnx(graphs, spec, engine_dir, *modes, calibration, draft_vocab)
             else:  # the float graphs through the cache, then quantized (draft head cut) and packaged from there
@@ -309,7 +310,7 @@ def build(args: argparse.Namespace) -> Path | None:
             "eos_token_ids": list(target.config.eos_token_ids),
             "target": {"source": str(target_dir), "type": target.config.model_type, "sha256": hashes["target"],
                        "not_built": skipped_weights(target_dir)},
-            "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"], "vocab": args.draft_vocab or spec.vocab_size},
+            "drafter": {"source": str(drafter_dir), "sha256": hashes["drafter"], "vocab": draft_vocab or spec.vocab_size},
         })  # fmt: skip
     return args.output
 

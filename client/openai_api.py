@@ -295,13 +295,12 @@ def create_app(frontend: Frontend) -> Any:  # noqa: ANN401 (a FastAPI app)
 
         def __init__(self, events: Generator[str, None, None], choices: Choices) -> None:
             super().__init__(events, media_type="text/event-stream")
-            self.events, self.choices = events, choices
+            self.choices = choices
 
         async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # noqa: ANN401 (ASGI)
             try:
                 await super().__call__(scope, receive, send)
             finally:
-                self.events.close()
                 self.choices.close()  # every Triton stream still open closes and cancels its request
 
     def error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:

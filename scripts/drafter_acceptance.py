@@ -12,6 +12,11 @@ does (so tau_full_block then means S tokens at most per step):
 
     python scripts/drafter_acceptance.py --drafter builder/drafters/smollm2-135m-dflash /tmp/new \\
         --dataset humaneval --num-prompts 20 --max-tokens 128 [--block-slots 3]
+
+With --answers DATA (a `dflash-train` data file, OUTPUT/data-SET.pt) the drafters draft over --num-prompts of
+the target's answers cached there (evenly spread over the file, which is sorted by prompt length) instead: a
+prompt set one drafter trained on and another did not tells memorising from a gap between training prompts and
+a benchmark's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,22 @@ def loop_tau(accepted: torch.Tensor, first_anchor: int) -> list[int]:
     return steps
 
 
+def benchmark_answers(target_dir: Path, dataset: str, num_prompts: int, max_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The target's greedy answers to a benchmark's prompts through its chat template, and the prompts' lengths."""
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [encode_prompt(tokenizer, text) for text in dataset_prompts(dataset, num_prompts)]
+    plain = load_target(target_dir, dtype=torch.float32)
+    return generate_responses(plain, prompts, max_tokens), [len(p) for p in prompts]  # batched: as one at a time
+
+
+def cached_answers(path: Path, count: int) -> tuple[list[torch.Tensor], list[int]]:
+    """`count` answers of a dflash-train data file, evenly spread over it, and their prompts' lengths."""
+    data = torch.load(path)
+    total = len(data["sequences"])
+    picked = [index * total // count for index in range(min(count, total))]
+    return [data["sequences"][i] for i in picked], [data["prompt_lengths"][i] for i in picked]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", nargs="+", type=Path, required=True)
@@ -45,16 +66,17 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--block-slots", type=int, help="block slots the drafter denoises (default: its block size)")
+    parser.add_argument("--answers", type=Path, help="a dflash-train data file (data-SET.pt) instead of --dataset")
     args = parser.parse_args()
     target_dir = resolve_checkpoint(args.target)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = [encode_prompt(tokenizer, text) for text in dataset_prompts(args.dataset, args.num_prompts)]
-    plain = load_target(target_dir, dtype=torch.float32)
-    answers = generate_responses(plain, prompts, args.max_tokens)  # batched: equal to one prompt at a time
+    if args.answers is None:
+        answers, prompt_lengths = benchmark_answers(target_dir, args.dataset, args.num_prompts, args.max_tokens)
+    else:
+        answers, prompt_lengths = cached_answers(args.answers, args.num_prompts)
     for drafter_dir in args.drafter:
         drafter = load_drafter(drafter_dir, torch.float32)
         target = load_target(target_dir, tuple(drafter.config.target_layer_ids), torch.float32)
-        examples = make_examples(target, answers, [len(p) for p in prompts])
+        examples = make_examples(target, answers, prompt_lengths)
         size = drafter.config.block_size
         per_anchor, steps, slot_hits = [], [], torch.zeros(4)
         for example in examples:
@@ -65,7 +87,8 @@ def main() -> None:
             slot_hits += torch.stack([(in_answer >= k).sum() for k in range(1, 5)]).float()
             steps += loop_tau(accepted, example.first_anchor)
         print(json.dumps({
-            "drafter": str(drafter_dir), "dataset": args.dataset, "prompts": len(prompts), "max_tokens": args.max_tokens,
+            "drafter": str(drafter_dir), "dataset": str(args.answers or args.dataset), "prompts": len(answers),
+            "max_tokens": max(len(a) - n for a, n in zip(answers, prompt_lengths, strict=True)),
             "block_slots": args.block_slots or size,
             "tau_full_block": round(sum(steps) / len(steps), 3), "per_anchor": round(sum(per_anchor) / len(per_anchor), 3),
             "slot_acceptance": [round(float(h) / len(per_anchor), 3) for h in slot_hits],

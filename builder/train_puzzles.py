@@ -1,0 +1,271 @@
+"""The "code-puzzles" prompt set: small self-written programming puzzles in the shape of a function stub whose
+docstring states the task and shows `>>>` examples (the shape of HumanEval's problems, none of its problems: no
+function name is one of HumanEval's entry points, and a test checks that).
+
+Each puzzle is one rule from a small grammar (a predicate x an operation over a list of integers, a class of
+characters x an operation over a string, a kind of word x an operation over a sentence, and short lists of digit,
+pairwise and sequence rules); its examples are computed by running the rule's reference implementation, so every
+example in a prompt is right. `train_data.puzzle_prompts` turns every puzzle into two prompts: the stub as a code
+task (the benchmark's wording) and a one-line instruction.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+IntTest = Callable[[int], bool]
+StrTest = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class Puzzle:
+    name: str
+    signature: str  # "(numbers: List[int]) -> int"
+    task: str  # one sentence, the docstring's first line(s)
+    solve: Callable[..., object]
+    examples: tuple[tuple[object, ...], ...]  # argument tuples shown as `>>>` lines with solve's results
+
+    def stub(self) -> str:
+        """`def name(signature):` with the task wrapped at 76 columns and the examples, typing imports first."""
+        names = [n for n in ("List", "Optional") if f"{n}[" in self.signature]
+        header = f"from typing import {', '.join(names)}\n\n\n" if names else ""
+        task = textwrap.fill(self.task, 76, initial_indent="    ", subsequent_indent="    ").lstrip()
+        lines = [f"def {self.name}{self.signature}:", f'    """ {task}']
+        for arguments in self.examples:
+            lines += [f"    >>> {self.name}({', '.join(map(repr, arguments))})", f"    {self.solve(*arguments)!r}"]
+        return header + "\n".join([*lines, '    """']) + "\n"
+
+    def instruction(self) -> str:
+        """The same puzzle as a one-line request without examples."""
+        parameters = self.signature.split(" -> ")[0]
+        return f"Write a Python function `{self.name}{parameters}`. {self.task}"
+
+
+def _with_test(rule: Callable[[Any, Any], object], test: Callable[[Any], bool]) -> Callable[[Any], object]:
+    """rule(value, test) as a function of the value alone."""
+    return lambda value: rule(value, test)
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+# (name part, plural noun, "is ..." phrase, test)
+NUMBER_KINDS: tuple[tuple[str, str, str, IntTest], ...] = (
+    ("even", "even numbers", "even", lambda x: x % 2 == 0),
+    ("odd", "odd numbers", "odd", lambda x: x % 2 == 1),
+    ("positive", "positive numbers", "positive", lambda x: x > 0),
+    ("negative", "negative numbers", "negative", lambda x: x < 0),
+    ("big", "numbers greater than ten", "greater than ten", lambda x: x > 10),
+    ("triple", "multiples of three", "divisible by three", lambda x: x % 3 == 0),
+    ("one_digit", "single-digit numbers", "between -9 and 9", lambda x: -9 <= x <= 9),
+    ("square", "perfect squares", "a perfect square", lambda x: x >= 0 and math.isqrt(x) ** 2 == x),
+    ("prime", "prime numbers", "a prime number", _is_prime),
+)
+NUMBER_LISTS: tuple[list[int], ...] = ([3, 8, -2, 15, 9, 4, 12], [7, 1, 25, -6, 11], [])
+
+
+# (name, return type, task; {part}, {plural}, {phrase} filled from NUMBER_KINDS, rule(numbers, test))
+NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("sum_of_{part}", "int", "Return the sum of the {plural} in the list.", lambda n, t: sum(x for x in n if t(x))),
+    ("product_of_{part}", "int", "Return the product of the {plural} in the list (1 if there are none).",
+     lambda n, t: math.prod(x for x in n if t(x))),
+    ("how_many_{part}", "int", "Return how many numbers in the list are {phrase}.", lambda n, t: sum(map(t, n))),
+    ("keep_{part}", "List[int]", "Return the {plural} of the list, in their original order.",
+     lambda n, t: [x for x in n if t(x)]),
+    ("drop_{part}", "List[int]", "Return the list without its {plural}, keeping the order of the others.",
+     lambda n, t: [x for x in n if not t(x)]),
+    ("largest_{part}", "Optional[int]", "Return the largest of the {plural} in the list, or None if there is none.",
+     lambda n, t: max((x for x in n if t(x)), default=None)),
+    ("smallest_{part}", "Optional[int]", "Return the smallest of the {plural} in the list, or None if there is none.",
+     lambda n, t: min((x for x in n if t(x)), default=None)),
+    ("first_{part}_index", "int", "Return the index of the first number in the list that is {phrase}, "
+     "or -1 if there is none.", lambda n, t: next((i for i, x in enumerate(n) if t(x)), -1)),
+    ("all_{part}", "bool", "Return True if every number in the list is {phrase}, and False otherwise.",
+     lambda n, t: all(map(t, n))),
+    ("any_{part}", "bool", "Return True if at least one number in the list is {phrase}, and False otherwise.",
+     lambda n, t: any(map(t, n))),
+    ("squares_of_{part}", "List[int]", "Return the squares of the {plural} in the list, in their original order.",
+     lambda n, t: [x * x for x in n if t(x)]),
+)  # fmt: skip
+
+
+def _number_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, plural, phrase, test in NUMBER_KINDS:
+        for name, returns, task, rule in NUMBER_RULES:
+            shown = NUMBER_LISTS if "List" in returns else NUMBER_LISTS[:2]  # the empty list where the answer is a list
+            words = {"part": part, "plural": plural, "phrase": phrase}
+            solve = _with_test(rule, test)
+            examples = tuple((numbers,) for numbers in shown)
+            signature = f"(numbers: List[int]) -> {returns}"
+            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), solve, examples))
+    return puzzles
+
+
+# (name part, noun for one, plural noun, test)
+CHARACTER_CLASSES: tuple[tuple[str, str, str, StrTest], ...] = (
+    ("vowel", "a vowel", "vowels", lambda c: c in "aeiouAEIOU"),
+    ("consonant", "a consonant", "consonants", lambda c: c.isalpha() and c not in "aeiouAEIOU"),
+    ("digit", "a digit", "digits", str.isdigit),
+    ("capital", "an uppercase letter", "uppercase letters", str.isupper),
+    ("small_letter", "a lowercase letter", "lowercase letters", str.islower),
+    ("blank", "a space", "spaces", lambda c: c == " "),
+    ("punctuation", "a punctuation mark", "punctuation marks", lambda c: c in string.punctuation),
+)
+TEXTS = ("Hello World, 42 apples!", "Python 3.11 is FAST", "abc")
+
+
+# (name, return type, task; {part}, {one}, {plural} filled from CHARACTER_CLASSES, rule(text, test))
+TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("number_of_{part}s", "int", "Return how many characters of the text are {plural}.", lambda s, t: sum(map(t, s))),
+    ("strip_{part}s", "str", "Return the text with its {plural} taken out.", lambda s, t: "".join(c for c in s if not t(c))),
+    ("only_{part}s", "str", "Return only the {plural} of the text, in the order they appear.",
+     lambda s, t: "".join(c for c in s if t(c))),
+    ("hide_{part}s", "str", "Return the text with each character that is {one} replaced by '*'.",
+     lambda s, t: "".join("*" if t(c) else c for c in s)),
+    ("{part}_positions", "List[int]", "Return the indices of the characters of the text that are {plural}.",
+     lambda s, t: [i for i, c in enumerate(s) if t(c)]),
+    ("first_{part}", "int", "Return the index of the first character of the text that is {one}, "
+     "or -1 if there is none.", lambda s, t: next((i for i, c in enumerate(s) if t(c)), -1)),
+    ("has_{part}", "bool", "Return True if the text contains {one}, and False otherwise.", lambda s, t: any(map(t, s))),
+    ("every_char_{part}", "bool", "Return True if the text is not empty and every character of it is {one}.",
+     lambda s, t: bool(s) and all(map(t, s))),
+)  # fmt: skip
+
+
+def _text_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, one, plural, test in CHARACTER_CLASSES:
+        words = {"part": part, "one": one, "plural": plural}
+        for name, returns, task, rule in TEXT_RULES:
+            solve = _with_test(rule, test)
+            examples = tuple((text,) for text in TEXTS)
+            puzzles.append(Puzzle(name.format(**words), f"(text: str) -> {returns}", task.format(**words), solve, examples))
+    return puzzles
+
+
+# (name part, description, test)
+WORD_KINDS: tuple[tuple[str, str, StrTest], ...] = (
+    ("long_words", "words longer than four letters", lambda w: len(w) > 4),
+    ("short_words", "words of at most three letters", lambda w: len(w) <= 3),
+    ("capitalized_words", "words that start with an uppercase letter", lambda w: w[:1].isupper()),
+    ("vowel_words", "words that start with a vowel", lambda w: w[:1] != "" and w[:1].lower() in "aeiou"),
+    ("mirror_words", "words that read the same backwards (ignoring case)", lambda w: w.lower() == w.lower()[::-1]),
+)
+SENTENCES = ("Anna saw an Owl eating bread at noon", "the quick brown Fox jumps over it", "")
+
+
+SENTENCE_IS = "The sentence is made of words separated by single spaces. "
+# (name, return type, task after SENTENCE_IS; {part}, {description} filled from WORD_KINDS, rule(sentence, test))
+WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("count_{part}", "int", "Return how many of them are {description}.", lambda s, t: sum(map(t, s.split()))),
+    ("list_{part}", "List[str]", "Return the {description}, in the order they appear.",
+     lambda s, t: [w for w in s.split() if t(w)]),
+    ("without_{part}", "str", "Return the sentence without its {description}.",
+     lambda s, t: " ".join(w for w in s.split() if not t(w))),
+    ("shout_{part}", "str", "Return the sentence with its {description} in uppercase.",
+     lambda s, t: " ".join(w.upper() if t(w) else w for w in s.split())),
+    ("reverse_{part}", "str", "Return the sentence with the letters of its {description} reversed.",
+     lambda s, t: " ".join(w[::-1] if t(w) else w for w in s.split())),
+    ("longest_of_{part}", "str", "Return the longest of its {description} (the first one if there is a tie), or an "
+     "empty string if there is none.", lambda s, t: max((w for w in s.split() if t(w)), key=len, default="")),
+)  # fmt: skip
+
+
+def _word_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, description, test in WORD_KINDS:
+        words = {"part": part, "description": description}
+        for name, returns, task, rule in WORD_RULES:
+            solve = _with_test(rule, test)
+            examples = tuple((sentence,) for sentence in SENTENCES)
+            signature = f"(sentence: str) -> {returns}"
+            puzzles.append(Puzzle(name.format(**words), signature, SENTENCE_IS + task.format(**words), solve, examples))
+    return puzzles
+
+
+def _digits(n: int) -> list[int]:
+    return [int(d) for d in str(n)]
+
+
+DIGIT_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("sum_of_digits", "int", "Return the sum of the decimal digits of n.", lambda n: sum(_digits(n))),
+    ("product_of_digits", "int", "Return the product of the decimal digits of n.", lambda n: math.prod(_digits(n))),
+    ("even_digit_count", "int", "Return how many decimal digits of n are even.", lambda n: sum(d % 2 == 0 for d in _digits(n))),
+    ("odd_digit_count", "int", "Return how many decimal digits of n are odd.", lambda n: sum(d % 2 for d in _digits(n))),
+    ("largest_digit", "int", "Return the largest decimal digit of n.", lambda n: max(_digits(n))),
+    ("smallest_digit", "int", "Return the smallest decimal digit of n.", lambda n: min(_digits(n))),
+    ("reversed_number", "int", "Return the number whose decimal digits are those of n in reverse order.",
+     lambda n: int(str(n)[::-1])),
+    ("reads_same_backwards", "bool", "Return True if the decimal digits of n read the same backwards.",
+     lambda n: str(n) == str(n)[::-1]),
+    ("digit_count", "int", "Return how many decimal digits n has.", lambda n: len(str(n))),
+    ("digits_ascending", "bool", "Return True if each decimal digit of n is at least the one before it.",
+     lambda n: _digits(n) == sorted(_digits(n))),
+    ("digit_root", "int", "Add up the decimal digits of n, then the digits of the result, and so on until one digit "
+     "is left; return that digit.", lambda n: 0 if n == 0 else 1 + (n - 1) % 9),
+)  # fmt: skip
+PAIR_RULES: tuple[tuple[str, str, str, Callable[[list[int], list[int]], object]], ...] = (
+    ("pairwise_sums", "List[int]", "Return the sums of the items at the same positions of the two lists (as long "
+     "as the shorter list).", lambda a, b: [x + y for x, y in zip(a, b, strict=False)]),
+    ("pairwise_products", "List[int]", "Return the products of the items at the same positions of the two lists "
+     "(as long as the shorter list).", lambda a, b: [x * y for x, y in zip(a, b, strict=False)]),
+    ("pairwise_larger", "List[int]", "Return the larger of the two items at each position of the two lists (as "
+     "long as the shorter list).", lambda a, b: [max(x, y) for x, y in zip(a, b, strict=False)]),
+    ("pairwise_gaps", "List[int]", "Return the absolute differences of the items at the same positions of the two "
+     "lists (as long as the shorter list).", lambda a, b: [abs(x - y) for x, y in zip(a, b, strict=False)]),
+    ("shared_items", "List[int]", "Return the numbers that appear in both lists, sorted, each once.",
+     lambda a, b: sorted(set(a) & set(b))),
+    ("items_only_in_first", "List[int]", "Return the numbers of the first list that the second list does not "
+     "contain, in their original order.", lambda a, b: [x for x in a if x not in b]),
+    ("merge_in_order", "List[int]", "Both lists are sorted. Return one sorted list with the items of both.",
+     lambda a, b: sorted(a + b)),
+    ("dot_product", "int", "Return the sum of the products of the items at the same positions of the two lists.",
+     lambda a, b: sum(x * y for x, y in zip(a, b, strict=False))),
+)  # fmt: skip
+SEQUENCE_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("first_squares", "List[int]", "Return the squares of 1, 2, ..., n.", lambda n: [i * i for i in range(1, n + 1)]),
+    ("first_odd_numbers", "List[int]", "Return the first n odd positive numbers.", lambda n: [2 * i + 1 for i in range(n)]),
+    ("triangular_numbers", "List[int]", "Return the first n triangular numbers (1, 3, 6, ...).",
+     lambda n: [i * (i + 1) // 2 for i in range(1, n + 1)]),
+    ("countdown", "List[int]", "Return the numbers from n down to 0.", lambda n: list(range(n, -1, -1))),
+    ("powers_of_two_below", "List[int]", "Return the powers of two (1, 2, 4, ...) that are smaller than n.",
+     lambda n: [1 << i for i in range(n.bit_length()) if 1 << i < n]),
+    ("divisors_of", "List[int]", "Return the positive divisors of n in increasing order.",
+     lambda n: [d for d in range(1, n + 1) if n % d == 0]),
+    ("primes_up_to", "List[int]", "Return the prime numbers that are at most n.",
+     lambda n: [p for p in range(n + 1) if _is_prime(p)]),
+    ("collatz_steps", "int", "Return how many steps the Collatz rule (halve an even number, triple an odd one and "
+     "add one) takes to bring n down to 1.", lambda n: _collatz_steps(n)),
+    ("alternating_sum", "int", "Return 1 - 2 + 3 - 4 + ... with n terms.",
+     lambda n: sum(i if i % 2 else -i for i in range(1, n + 1))),
+    ("repeat_digits", "str", "Return the text made of each digit from 1 to n repeated as many times as its value "
+     "(n is at most 9).", lambda n: "".join(str(i) * i for i in range(1, n + 1))),
+)  # fmt: skip
+
+
+def _collatz_steps(n: int) -> int:
+    steps = 0
+    while n != 1:
+        n, steps = (n // 2 if n % 2 == 0 else 3 * n + 1), steps + 1
+    return steps
+
+
+def _single_rule_puzzles() -> list[Puzzle]:
+    digit_examples, sequence_examples = ((1234,), (907,), (5,)), ((6,), (1,))
+    pair_examples = (([1, 4, 6, 9], [2, 4, 5]), ([3, 3], [3]))
+    puzzles = [Puzzle(name, f"(n: int) -> {ret}", task, solve, digit_examples) for name, ret, task, solve in DIGIT_RULES]
+    pair_signature = "(first: List[int], second: List[int]) -> {}"
+    puzzles += [Puzzle(name, pair_signature.format(ret), task, solve, pair_examples) for name, ret, task, solve in PAIR_RULES]
+    puzzles += [Puzzle(name, f"(n: int) -> {ret}", task, solve, sequence_examples) for name, ret, task, solve in SEQUENCE_RULES]
+    return puzzles
+
+
+def all_puzzles() -> list[Puzzle]:
+    return _number_puzzles() + _text_puzzles() + _word_puzzles() + _single_rule_puzzles()

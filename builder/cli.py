@@ -237,22 +237,23 @@ def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int)
 def build(args: argparse.Namespace) -> Path | None:
     """Build the repository (None with --plan: the plan is printed, nothing is written or downloaded)."""
     target_config, drafter_config = _configs(args)
+    block = args.block_size or (drafter_config.block_size if drafter_config else 16)  # an untrained drafter's: 16
     if args.max_seq_len is None:
-        block = args.block_size or (drafter_config.block_size if drafter_config else 16)
         args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, target_config.max_position_embeddings - block)
         print(f"[dflash-build] --max-seq-len {args.max_seq_len}", file=sys.stderr)
     if args.backend == "trtllm":
         return build_trtllm(args, target_config, drafter_config)
+    _check_limits(args, block, target_config.max_position_embeddings)  # a plan of a build that would be refused is none
+    backend = choose_backend(args.backend)
+    draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     if args.plan:
         print_plan(args, target_config, drafter_config)
         return None
     require_buildable(target_config, args.model)
-    backend = choose_backend(args.backend)
     quantization = check_mode(args.quantize, backend)
     drafter_quantization = check_mode(args.quantize_drafter or args.quantize, backend, "--quantize-drafter")
     if backend == "tensorrt":
         require_tensorrt()
-    draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     target_dir, drafter_dir = resolve_pair(args.model, args.drafter)
     if drafter_dir is None:
         print(
@@ -264,7 +265,6 @@ def build(args: argparse.Namespace) -> Path | None:
     print(f"[dflash-build] loading {target_dir} and {drafter_dir} ...", file=sys.stderr)
     target, drafter = load_pair(target_dir, drafter_dir, dtype)
     block_size = args.block_size or drafter.config.block_size
-    _check_limits(args, block_size, target.config.max_position_embeddings)
     spec = engine_spec(target, drafter, block_size, args.max_seq_len, args.max_batch_size)
     settings = SessionSettings(intra_op_threads=args.threads)
     values = {

@@ -265,6 +265,9 @@ def test_build_errors_name_the_value(tiny_targets: dict[str, Path], trained_draf
     base = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--output", str(tmp_path / "r")]
     assert dflash_build([*base, "--max-seq-len", "100000"]) == 2
     assert "--max-seq-len 100000 must be in (16, 496]" in capsys.readouterr().err
+    plan = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--plan"]
+    assert dflash_build([*plan, "--max-seq-len", "100000"]) == 2  # no plan for a build that would be refused
+    assert "--max-seq-len 100000 must be in (16, 496]" in capsys.readouterr().err
     assert dflash_build(["--model", "no-such-model", "--output", str(tmp_path / "r")]) == 2
     assert "'no-such-model' is neither a directory, a known model" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

@@ -65,3 +65,6 @@ def test_bad_draft_vocabularies_fail_at_build_time(
     assert dflash_build([*base, "--draft-vocab", "48", "--backend", "torch-cuda"]) == 2
     assert "--draft-vocab cuts the drafter's LM head in ONNX engines" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    plan = ["--model", str(tiny_targets["qwen3"]), "--drafter", str(trained_drafter), "--plan"]
+    assert dflash_build([*plan, "--draft-vocab", "97"]) == 2  # no plan for a build that would be refused
+    assert "--draft-vocab 97 must be in [1, 96]" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """dflash-train: train a DFlash drafter for a target on the target's own responses (CPU or GPU, same code).
 
-1. prompt sets ("code": standard-library functions; "prose": writing tasks; disjoint from HumanEval/MT-Bench)
+1. prompt sets ("code": standard-library functions; "code-puzzles": HumanEval-shaped self-written puzzles;
+   "prose": writing tasks; all disjoint from HumanEval/MT-Bench)
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
    (torch, or with --generate-with REPO that target's built engine: plain batched decoding, faster on CPUs)
 3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
@@ -231,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--prompt-sets", nargs="+", choices=sorted(PROMPT_SETS), default=["code", "prose"],
-        help="built-in prompt sets the target answers (each is generated and cached on its own; default: code prose, "
-        "code-methods added to code drafted HumanEval no better: see the demo drafter's README)",
+        help="built-in prompt sets the target answers (each is generated and cached on its own; default: code prose; "
+        "the demo drafter: code code-puzzles; code-methods added to code drafted HumanEval no better: see its README)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=0, help="prompts taken from each set (0: all)")
     parser.add_argument(

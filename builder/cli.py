@@ -243,7 +243,7 @@ def build(args: argparse.Namespace) -> Path | None:
         print(f"[dflash-build] --max-seq-len {args.max_seq_len}", file=sys.stderr)
     if args.backend == "trtllm":
         return build_trtllm(args, target_config, drafter_config)
-    _check_limits(args, block, target_config.max_position_embeddings)  # a plan of a build that would be refused is none
+    _check_limits(args, block, target_config.max_position_embeddings)  # before --plan: no plan of a refused build
     backend = choose_backend(args.backend)
     draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     if args.plan:
@@ -260,12 +260,11 @@ def build(args: argparse.Namespace) -> Path | None:
             "[dflash-build] no --drafter: building with an untrained drafter (tau ~1); train one with dflash-train",
             file=sys.stderr,
         )
-        drafter_dir = untrained_drafter_dir(target_dir, AutoTokenizer.from_pretrained(target_dir), args.block_size or 16)
+        drafter_dir = untrained_drafter_dir(target_dir, AutoTokenizer.from_pretrained(target_dir), block)
     dtype = DTYPES.get(args.dtype, torch.float32 if backend == "onnxruntime" else None)
     print(f"[dflash-build] loading {target_dir} and {drafter_dir} ...", file=sys.stderr)
     target, drafter = load_pair(target_dir, drafter_dir, dtype)
-    block_size = args.block_size or drafter.config.block_size
-    spec = engine_spec(target, drafter, block_size, args.max_seq_len, args.max_batch_size)
+    spec = engine_spec(target, drafter, block, args.max_seq_len, args.max_batch_size)
     settings = SessionSettings(intra_op_threads=args.threads)
     values = {
         "engine_dir": ENGINE_DIR,
@@ -287,9 +286,9 @@ def build(args: argparse.Namespace) -> Path | None:
                 link_checkpoint(source, engine_dir / name)
             paths = []
         else:
-            graphs = DFlashGraphs(target, drafter, block_size, spec.positions).eval()
+            graphs = DFlashGraphs(target, drafter, block, spec.positions).eval()
             modes = (quantization, drafter_quantization)
-            calibration = calibrate(target, drafter, repo / TOKENIZER_DIR, block_size, modes)
+            calibration = calibrate(target, drafter, repo / TOKENIZER_DIR, block, modes)
             if args.export_cache is None:
                 paths = export_engines_onnx(graphs, spec, engine_dir, *modes, calibration, draft_vocab)
             else:  # the float graphs through the cache, then quantized (draft head cut) and packaged from there

@@ -190,6 +190,13 @@ def _word_puzzles() -> list[Puzzle]:
     return puzzles
 
 
+def _collatz_steps(n: int) -> int:
+    steps = 0
+    while n != 1:
+        n, steps = (n // 2 if n % 2 == 0 else 3 * n + 1), steps + 1
+    return steps
+
+
 def _digits(n: int) -> list[int]:
     return [int(d) for d in str(n)]
 
@@ -242,19 +249,12 @@ SEQUENCE_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
     ("primes_up_to", "List[int]", "Return the prime numbers that are at most n.",
      lambda n: [p for p in range(n + 1) if _is_prime(p)]),
     ("collatz_steps", "int", "Return how many steps the Collatz rule (halve an even number, triple an odd one and "
-     "add one) takes to bring n down to 1.", lambda n: _collatz_steps(n)),
+     "add one) takes to bring n down to 1.", _collatz_steps),
     ("alternating_sum", "int", "Return 1 - 2 + 3 - 4 + ... with n terms.",
      lambda n: sum(i if i % 2 else -i for i in range(1, n + 1))),
     ("repeat_digits", "str", "Return the text made of each digit from 1 to n repeated as many times as its value "
      "(n is at most 9).", lambda n: "".join(str(i) * i for i in range(1, n + 1))),
 )  # fmt: skip
-
-
-def _collatz_steps(n: int) -> int:
-    steps = 0
-    while n != 1:
-        n, steps = (n // 2 if n % 2 == 0 else 3 * n + 1), steps + 1
-    return steps
 
 
 def _single_rule_puzzles() -> list[Puzzle]:

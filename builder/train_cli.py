@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--sequences-per-step", type=int, default=4)
     parser.add_argument("--anchors", type=int, default=16, help="random blocks per sequence and step")
+    parser.add_argument(
+        "--answer-anchors", type=float, default=0.0, metavar="SHARE",
+        help="share of each sequence's blocks started inside the target's answer, before its first end-of-turn token "
+        "(0: anywhere after the prompt; answers decoded past their end of turn are mostly that filler)",
+    )  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -267,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     require_at_least(parser, training_limits(args))
     if args.learning_rate <= 0:
         parser.error(f"--learning-rate {args.learning_rate}: give a positive rate (default 3e-3)")
+    if not 0.0 <= args.answer_anchors <= 1.0:
+        parser.error(f"--answer-anchors {args.answer_anchors}: give a share between 0 and 1, e.g. 0.75")
     torch.manual_seed(args.seed)
     try:
         target_dir = resolve_checkpoint(args.target)
@@ -303,10 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
     dtype = compute_dtype(args.compute_dtype)
     log(f"tapping the target over {len(sequences)} training sequences ({sum(len(t) for t in sequences)} tokens) ...")
-    examples = make_examples(target, sequences, prompt_lengths, taps_dtype=dtype, progress=tapping_progress())
-    settings = TrainSettings(
-        args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed, compute_dtype=dtype
+    examples = make_examples(
+        target, sequences, prompt_lengths, taps_dtype=dtype, progress=tapping_progress(), stop_ids=target_config.eos_token_ids
     )
+    settings = TrainSettings(
+        args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed, compute_dtype=dtype,
+        answer_anchor_share=args.answer_anchors,
+    )  # fmt: skip
 
     checkpoint_path = args.output / "checkpoint.pt"
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.learning_rate, weight_decay=0.0)

@@ -77,6 +77,7 @@ class TrainingExample:
     taps: torch.Tensor  # [L, n_taps*E]: the drafter's context for every position
     labels: torch.Tensor  # [L]: the target's greedy token for each position given tokens before it ([0]: tokens[0])
     first_anchor: int  # blocks start in the response: anchors >= the prompt length
+    answer_end: int  # just past the response's first end-of-turn token (the length where it has none)
 
 
 @torch.no_grad()
@@ -87,11 +88,13 @@ def make_examples(
     batch_size: int = 8,
     taps_dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> list[TrainingExample]:
     """Tap every position of each sequence and read the target's greedy prediction there; sequences go through
     the target in right-padded batches (causal attention: padding after a sequence cannot change its taps).
     taps_dtype: how the taps are kept (bfloat16 halves their memory and changes nothing for a drafter trained
-    under bfloat16 autocast, whose first use of them is a matmul in bfloat16). progress(done, total) after each batch."""
+    under bfloat16 autocast, whose first use of them is a matmul in bfloat16). progress(done, total) after each batch.
+    stop_ids: the target's end-of-turn tokens, which end each example's answer (`TrainingExample.answer_end`)."""
     examples = []
     for first in range(0, len(sequences), batch_size):
         batch = sequences[first : first + batch_size]
@@ -106,18 +109,35 @@ def make_examples(
             length = tokens.shape[0]
             labels = torch.cat([tokens[:1], predicted[row, : length - 1]])  # [L]
             taps = out.taps[row, :length].to(taps_dtype).clone()
-            examples.append(TrainingExample(tokens, taps, labels, prompt_lengths[first + row]))
+            prompt_length = prompt_lengths[first + row]
+            end = answer_end(tokens, prompt_length, stop_ids)
+            examples.append(TrainingExample(tokens, taps, labels, prompt_length, end))
         if progress is not None:
             progress(len(examples), len(sequences))
     return examples
 
 
-def sample_anchors(generator: torch.Generator, length: int, block_size: int, count: int, min_anchor: int) -> torch.Tensor:
-    """[count] anchor positions a with min_anchor <= a and a + B - 1 < length (every label exists)."""
+def answer_end(tokens: torch.Tensor, prompt_length: int, stop_ids: tuple[int, ...]) -> int:
+    """tokens: [L] -> the position just past the first of `stop_ids` at or after `prompt_length` (L if none)."""
+    stops = torch.isin(tokens[prompt_length:], torch.tensor(stop_ids, dtype=tokens.dtype)).nonzero()
+    return prompt_length + int(stops[0, 0]) + 1 if stops.numel() else tokens.shape[0]
+
+
+def sample_anchors(
+    generator: torch.Generator, example: TrainingExample, block_size: int, count: int, answer_share: float = 0.0
+) -> torch.Tensor:
+    """[count] anchor positions a with example.first_anchor <= a and a + B - 1 < length (every label exists); a share
+    `answer_share` of them (rounded) inside the answer, before `example.answer_end`, where the target's answer is
+    what a server drafts for (the text past an end of turn repeats across answers, and is learnt from few anchors)."""
+    length, low = example.tokens.shape[0], example.first_anchor
     high = length - block_size + 1
-    if high <= min_anchor:
-        raise ValueError(f"sequence of {length} tokens is too short for a block of {block_size} after position {min_anchor}")
-    return torch.randint(min_anchor, high, (count,), generator=generator)
+    if high <= low:
+        raise ValueError(f"sequence of {length} tokens is too short for a block of {block_size} after position {low}")
+    in_answer = round(count * answer_share) if min(example.answer_end, high) > low else 0
+    anywhere = torch.randint(low, high, (count - in_answer,), generator=generator)
+    if not in_answer:
+        return anywhere
+    return torch.cat([torch.randint(low, min(example.answer_end, high), (in_answer,), generator=generator), anywhere])
 
 
 @dataclass(frozen=True)
@@ -206,6 +226,7 @@ class TrainSettings:
     gamma: float | None = None
     warmup_steps: int = 20
     seed: int = 0
+    answer_anchor_share: float = 0.0  # share of each sequence's anchors drawn inside its answer (see sample_anchors)
     compute_dtype: torch.dtype = torch.bfloat16  # autocast for forward/backward; master weights stay float32
 
 
@@ -244,7 +265,7 @@ def train_drafter(
             terms = [
                 dflash_block_loss(
                     drafter, target, e.tokens, e.taps, e.labels,
-                    sample_anchors(generator, e.tokens.shape[0], size, settings.anchors_per_sequence, e.first_anchor), weights,
+                    sample_anchors(generator, e, size, settings.anchors_per_sequence, settings.answer_anchor_share), weights,
                 )
                 for e in chosen
             ]  # fmt: skip

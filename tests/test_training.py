@@ -25,11 +25,14 @@ from dflash_trt.builder.train_cli import main as dflash_train
 from dflash_trt.builder.train_data import corpus_windows, puzzle_prompts
 from dflash_trt.builder.train_puzzles import all_puzzles
 from dflash_trt.builder.training import (
+    TrainingExample,
+    answer_end,
     dflash_block_loss,
     generate_responses,
     greedy_acceptance,
     greedy_slots,
     make_examples,
+    sample_anchors,
     slot_weights,
 )
 
@@ -86,6 +89,24 @@ def test_only_slots_that_greedy_decoding_reaches_are_trained() -> None:
         [True] * 7,  # anchor 4: the anchor itself may be any token
         [True] * 7,
     ]
+
+
+def test_answer_anchors_start_their_share_of_blocks_before_the_answers_end_of_turn() -> None:
+    """The answer ends just past the first end-of-turn token after the prompt (one in the prompt does not count; none:
+    the whole sequence); `answer_share` of the anchors fall before it, the rest anywhere after the prompt, and share 0
+    draws exactly what anchors were drawn before the option existed (the shipped drafter's recipe)."""
+    tokens = torch.randint(3, 90, (50,), generator=torch.Generator().manual_seed(0))
+    tokens[5] = tokens[30] = 2  # an end of turn in the prompt (10 tokens) and one in the answer
+    assert answer_end(tokens, 10, (2,)) == 31
+    assert answer_end(tokens, 31, (2,)) == 50 and answer_end(tokens, 10, ()) == 50
+    example = TrainingExample(tokens, torch.zeros(50, 1), tokens, first_anchor=10, answer_end=31)
+    for seed in range(20):
+        anchors = sample_anchors(torch.Generator().manual_seed(seed), example, 16, 16, answer_share=0.75)
+        assert ((anchors >= 10) & (anchors < 31)).sum() >= 12 and anchors.min() >= 10 and anchors.max() <= 34
+    uniform = sample_anchors(torch.Generator().manual_seed(1), example, 16, 16)
+    assert uniform.tolist() == torch.randint(10, 35, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    late = TrainingExample(tokens, torch.zeros(50, 1), tokens, first_anchor=36 - 16, answer_end=12)  # answer over
+    assert sample_anchors(torch.Generator(), late, 16, 8, answer_share=1.0).min() >= 20
 
 
 def test_untrained_slots_do_not_move_the_loss(tiny_targets: dict[str, Path], qwen3_target, tmp_path: Path) -> None:  # noqa: ANN001

@@ -177,9 +177,7 @@ def verify_policy(engine: GraphEngine, verify: str) -> VerifyPolicy:
     "full": the whole block every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
     if verify == "full":
         return FixedVerify(engine.block_size - 1)
-    policy = AdaptiveVerify(engine.block_size)
-    policy.calibrate(engine)
-    return policy
+    return AdaptiveVerify.calibrated(engine)
 
 
 def concurrency_levels(option: str, parser: argparse.ArgumentParser) -> list[int]:

@@ -177,11 +177,32 @@ class GraphEngine:
         tokens) -> [B] first tokens (target_tokens[:, 0]) and first draft blocks. Rows < start of a slot must hold the
         prompt's first `start` tokens' states (a reused prefix, `copy_prefix`), and on targets with recurrent states
         the slot's sequence must end there."""
+        for row in rows:
+            self.prefixes.check_start(row.slot, row.start)
+        out = self._prefill_call(rows)
+        for row in rows:
+            self.prefixes.prefilled(row.slot, row.start, row.tokens)
+        return out
+
+    def catch_up(self, rows: list[PrefillRow]) -> StepResult:
+        """Rows of a sequence's own tokens at positions start.. recomputed by the prefill graph, which writes every
+        state's rows, the drafter's context too: what `decode` steps leave unwritten. Each row's tokens end with its
+        next block's first token (the last emitted) -> the next token and a whole draft block, as a step verifying
+        nothing would give (every row the same number of tokens). Rows < start must hold every state's rows. Raises
+        ValueError on a target with recurrent states, which have taken in those tokens already (recomputing them
+        would take them in twice): there plain stretches run `verify`, which keeps the drafter's context."""
+        if self.recurrent:
+            raise ValueError("catch_up: this target's recurrent states have taken in the tokens; run `verify`, not `decode`")
+        out = self._prefill_call(rows)
+        for row in rows:
+            self.prefixes.written(row.slot, row.start, row.start + len(row.tokens))
+        return out
+
+    def _prefill_call(self, rows: list[PrefillRow]) -> StepResult:
+        """One prefill graph call over the rows, their computed rows written into the pool."""
         length = len(rows[0].tokens)
         if any(len(row.tokens) != length for row in rows):
             raise ValueError(f"prefill rows of {sorted({len(r.tokens) for r in rows})} tokens: one call prefills equal lengths")
-        for row in rows:
-            self.prefixes.check_start(row.slot, row.start)
         slots, start = torch.tensor([r.slot for r in rows]), torch.tensor([r.start for r in rows])  # [B]
         inputs = {
             "input_ids": torch.tensor([r.tokens for r in rows], dtype=torch.long),  # [B, P]
@@ -194,8 +215,6 @@ class GraphEngine:
         }
         out = self.runner.run("prefill", {k: v for k, v in inputs.items() if k in self._input_names["prefill"]})
         self._write_rows(out, slots, start[:, None] + torch.arange(length)[None, :])
-        for row in rows:
-            self.prefixes.prefilled(row.slot, row.start, row.tokens)
         accepted = torch.zeros(len(rows), dtype=torch.long)
         return StepResult(out["first_token"][:, None], accepted, out["next_block"], start + length)
 

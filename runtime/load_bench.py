@@ -109,9 +109,7 @@ def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy
             plain = PlainDecoding()
             plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
             return plain, slots
-        policy = AdaptiveVerify(engine.block_size)
-        policy.calibrate(engine)
-        return policy, (1 if mode == "one-at-a-time" else slots)
+        return AdaptiveVerify.calibrated(engine), (1 if mode == "one-at-a-time" else slots)
     finally:
         for slot in held:
             engine.pool.release(slot)

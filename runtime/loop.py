@@ -134,6 +134,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far
     slot: int = -1
     prefill_end: int = 0  # prompt tokens whose rows its slot holds (a prompt may be prefilled in chunks)
+    context_end: int = 0  # its slot holds every state's rows (the drafter's context too) of the positions before this
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [last token, drafts...]
     start: int = 0  # position of block[0]
     uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # one per generated token

@@ -6,8 +6,11 @@ Each `Scheduler.step()`:
    prompt tokens per step, so a long prompt is prefilled in chunks over several steps (each continuing the slot's
    rows where the last ended) and no stream waits for a whole prompt's prefill between two of its tokens;
 2. asks the verify policy how many drafted tokens to verify (k, the same for every row; 0 = plain decoding)
-   and runs one graph call for every active sequence: `step` (verify 1 + k tokens, draft the next block) or
-   `verify` (verify without drafting, when the policy expects not to use drafts next time);
+   and runs one graph call for every active sequence: `step` (verify 1 + k tokens, draft the next block) or, when
+   the policy expects not to use drafts next time, its idle graph: `verify` (verify without drafting; the drafter's
+   context still grows) or `decode` (the target alone, as plain decoding). A sequence whose drafter context
+   `decode` steps left behind catches up before it drafts again: one prefill-graph call recomputes the rows of its
+   tokens since (`GraphEngine.catch_up`), emitting its next token and a whole draft block;
 3. commits each row's tokens (`Sequence.commit`), and retires finished and cancelled sequences (slot freed).
 
 Outputs are exact whatever k is: the target's own choice decides every emitted token, and a sequence's
@@ -160,6 +163,15 @@ class AdaptiveVerify:
     shapes_run: set[tuple[str, int, int, int]] = field(default_factory=set)  # (graph, batch, width, drafted) seen
     chosen: int = 0  # the last k chosen other than by a look
 
+    @classmethod
+    def calibrated(cls, engine: GraphEngine) -> AdaptiveVerify:
+        """The policy `dflash-serve` runs on `engine`, calibrated: plain stretches run `decode` (the drafter's context
+        caught up when drafting resumes: on the demo pair, 2 cores, `verify` costs 2-4% more than `decode` at one
+        row), except on targets with recurrent states, where only `verify` keeps that context (`GraphEngine.catch_up`)."""
+        policy = cls(engine.block_size, graph_when_idle="verify" if engine.recurrent else "decode")
+        policy.calibrate(engine)
+        return policy
+
     def __post_init__(self) -> None:
         self.reached = np.ones(self.block_size)  # a weak prior: each draft accepted half the times it is reached
         self.accepted = np.full(self.block_size, 0.5)
@@ -243,7 +255,8 @@ class AdaptiveVerify:
         if self.looks % 2 == 1:
             around.reverse()  # odd looks look below first
         look = next((k for k in around if k != best), best)
-        spacing = 2 * self.explore_budget * abs(costs[look] - costs[best])  # seconds of steps between looks, at first
+        extra = abs(costs[look] - costs[best]) + (self._catch_up_cost(batch, costs[0]) if best == 0 else 0.0)
+        spacing = 2 * self.explore_budget * extra  # seconds of steps between looks, at first
         if look != best and self.since_look >= spacing:
             quiet = self._quiet_looks(batch, best, costs)
             if self.since_look >= spacing * 2 ** min(quiet, self.quiet_looks_limit):
@@ -252,6 +265,12 @@ class AdaptiveVerify:
                 return look
         self.chosen = best
         return best
+
+    def _catch_up_cost(self, batch: int, plain_step: float) -> float:
+        """Seconds a look from plain decoding spends catching the drafter's context up, beyond the plain step that
+        the catch-up's token saves (0 where plain stretches keep that context, or none was timed yet)."""
+        measured = self.costs.estimate("catch_up", batch) if self.graph_when_idle == "decode" else None
+        return 0.0 if measured is None else max(measured - plain_step, 0.0)
 
     def _quiet_looks(self, batch: int, best: int, costs: np.ndarray) -> int:
         """Looks made at this batch size since its choice became `best`, which space the next look out; none while
@@ -288,7 +307,11 @@ class AdaptiveVerify:
         self._record_cost(graph, batch, width, seconds, drafted)
 
     def _record_cost(self, graph: str, batch: int, width: int, seconds: float, drafted: int) -> None:
-        if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is, and the plain step's then
+        if graph == "catch_up":
+            self.costs.record("catch_up", batch, seconds)
+            return
+        steady = drafted > 0 or graph == self.graph_when_idle  # k = 0 costs what the idle graph costs
+        if drafted == width - 1 and steady:  # a steady step (verified k, drafted k): its cost as it is, the plain step's then
             plain = self.step_cost(batch, 0) if drafted else None
             if plain is not None:
                 self.costs.record(f"plain_when_run{drafted}", batch, plain)
@@ -315,7 +338,8 @@ class AdaptiveVerify:
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
         """Time, on free slots with throw-away rows at `context` positions (at most half the engine's length): at
         batch 1, the step for every k (verify k drafts, draft k); at batch 2, 4 ..., the step for the first
-        `CALIBRATED_DRAFTS` k; at every batch, the verify graph at 1 and B tokens per row and drafting. The first
+        `CALIBRATED_DRAFTS` k; at every batch, the verify graph at 1 and B tokens per row, the idle graph (the plain
+        step) and drafting. The first
         choices are then informed, and every batch-1 shape has run once; live steps measure the steps they run.
         The few-draft steps are timed at every batch because costs from parts mislead there: a 2-token verify of 16
         rows reads 16 contexts, and the 32-token calls the parts were timed at read one or two."""
@@ -325,6 +349,8 @@ class AdaptiveVerify:
             for width in (1, engine.block_size):  # the plain step (width 1) first: the steps below are scaled by it
                 if batch * width <= max_tokens:
                     self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
+            if self.graph_when_idle != "verify":  # the plain step is the idle graph's
+                self._calibrated(self.graph_when_idle, batch, 1, 0, time_call(engine, self.graph_when_idle, batch, 1, 0, start))
             most = drafts if batch == 1 else CALIBRATED_DRAFTS
             for k in range(1, most + 1):
                 if batch * (k + 1) <= max_tokens:
@@ -481,7 +507,7 @@ class Scheduler:
         self.last_prefill_seconds += time.perf_counter() - began
         emitted = []
         for row, (sequence, chunk) in enumerate(group):
-            sequence.prefill_end += len(chunk)
+            sequence.prefill_end = sequence.context_end = sequence.prefill_end + len(chunk)
             if sequence.prefilled:  # the last chunk's logits give the first token
                 block, start = out.next_block[row].numpy(), int(out.next_start[row])
                 emitted.append((sequence, sequence.commit(out.target_tokens[row].tolist(), 0, 0, block, start)))
@@ -507,16 +533,53 @@ class Scheduler:
         if not rows:
             return []
         wanted = self.policy.choose(len(rows))
-        drafts = min(wanted, *(s.drafts for s in rows))
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
+        emitted: list[tuple[Sequence, list[int]]] = []
+        if graph == "step":  # a row whose drafter context lags (after `decode` steps) catches up instead
+            behind = [s for s in rows if s.context_end < s.start]
+            rows = [s for s in rows if s.context_end >= s.start]
+            emitted = self._catch_up(behind) if behind else []
+            if not rows:
+                return emitted
+        drafts = min(wanted, *(s.drafts for s in rows))
         batch = self._batch(rows, 1 + drafts, wanted)
         began = time.perf_counter()
         out = self.engine.run(graph, batch)
         seconds = time.perf_counter() - began
         accept_lens = out.accept_len.tolist()
         self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens, wanted if graph == "step" else 0)
-        self.last_width, self.last_batch, self.last_graph_seconds = 1 + drafts, len(rows), seconds
-        return [self._commit(s, out, row, accept_lens[row], drafts) for row, s in enumerate(rows)]
+        self.last_width, self.last_batch = 1 + drafts, self.last_batch + len(rows)
+        self.last_graph_seconds += seconds
+        drafter_context = WRITES[graph] == WRITES["step"]  # `decode` leaves the drafter's context behind
+        return emitted + [self._commit(s, out, row, accept_lens[row], drafts, drafter_context) for row, s in enumerate(rows)]
+
+    def _catch_up(self, rows: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """Recompute the rows of each sequence's tokens since its drafter context ends (`GraphEngine.catch_up`), in
+        as few calls as equal lengths allow: a call takes the longest catch-up of its rows, and the others recompute
+        rows of their own generated tokens before theirs (valid rows rewritten with the same values) -> each row's
+        next token; the next block drafts the whole block."""
+        emitted: list[tuple[Sequence, list[int]]] = []
+        waiting = sorted(rows, key=lambda s: s.start - s.context_end, reverse=True)
+        while waiting:
+            length = waiting[0].start - waiting[0].context_end + 1  # its tokens since, and the last emitted one
+            group = [s for s in waiting if s.start + 1 - length >= len(s.prompt)]  # recomputing only generated tokens
+            waiting = [s for s in waiting if s.start + 1 - length < len(s.prompt)]
+            began = time.perf_counter()
+            out = self.engine.catch_up([self._catch_up_row(s, length) for s in group])
+            seconds = time.perf_counter() - began
+            self.policy.observe("catch_up", len(group), 1, seconds, [0] * len(group))
+            self.last_width, self.last_batch = 1, self.last_batch + len(group)
+            self.last_graph_seconds += seconds
+            emitted += [self._commit(s, out, row, 0, 0, drafter_context=True) for row, s in enumerate(group)]
+        return emitted
+
+    @staticmethod
+    def _catch_up_row(sequence: Sequence, length: int) -> PrefillRow:
+        """The last `length` tokens of the sequence up to its next block's first token (at `start`), from position
+        start + 1 - length, and the uniform of the token that follows them."""
+        first = sequence.start + 1 - length
+        tokens = (sequence.prompt + sequence.tokens)[first : sequence.start + 1]
+        return PrefillRow(sequence.slot, tokens, float(sequence.uniforms[len(sequence.tokens)]), sequence.sampling, first)
 
     def _batch(self, rows: list[Sequence], width: int, drafts: int) -> StepBatch:
         uniforms = np.stack([s.uniforms[len(s.tokens) : len(s.tokens) + width] for s in rows])  # [B, V]
@@ -530,17 +593,22 @@ class Scheduler:
         )
 
     @staticmethod
-    def _commit(sequence: Sequence, out: StepResult, row: int, accept_len: int, verified: int) -> tuple[Sequence, list[int]]:
+    def _commit(
+        sequence: Sequence, out: StepResult, row: int, accept_len: int, verified: int, drafter_context: bool
+    ) -> tuple[Sequence, list[int]]:
+        """Commit one row's tokens; `drafter_context`: the call wrote the drafter's context rows too."""
         tokens = out.target_tokens[row, : accept_len + 1].tolist()
         new = sequence.commit(tokens, accept_len, verified, out.next_block[row].numpy(), int(out.next_start[row]))
+        if drafter_context:
+            sequence.context_end = sequence.start
         return sequence, new
 
     def _retire(self, sequence: Sequence) -> None:
         self.active.remove(sequence)
-        if sequence.prefilled and WRITES[self.policy.graph_when_idle] == WRITES["step"]:
-            # Every state's rows of every token before the next block's start are in the slot: a later prompt that
-            # continues this conversation starts after them. (Plain decoding's `decode` leaves the drafter's unwritten.)
-            answer = sequence.tokens[: sequence.start - len(sequence.prompt)]
+        if sequence.prefilled:
+            # Every state's rows of the tokens before `context_end` are in the slot: a later prompt that continues
+            # this conversation starts after them. (`decode` steps leave the drafter's unwritten: plain decoding's none.)
+            answer = sequence.tokens[: sequence.context_end - len(sequence.prompt)]
             self.engine.prefixes.extend(sequence.slot, len(sequence.prompt), answer)
         self.engine.pool.release(sequence.slot)
         sequence.slot = -1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
@@ -115,6 +116,73 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
     live.calibrate(engine)
     _run_all(Scheduler(engine, live), requests)
     assert [r.tokens for r in requests] == alone
+
+
+@dataclass
+class ScriptedVerify:
+    """Verifies the k of a fixed script, one per step (then 0), running `graph_when_idle` where k = 0."""
+
+    script: list[int]
+    graph_when_idle: str
+    calls: list[str] = field(default_factory=list)  # the graphs run, catch-ups included
+
+    def choose(self, batch: int) -> int:
+        return self.script.pop(0) if self.script else 0
+
+    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+        self.calls.append(graph)
+
+
+SWITCHING = [0, 0, 0, 0, 0, 15, 15, 15, 0, 0, 0, 15, 15, 0, 0, 15]  # plain stretches, then the whole block
+
+
+def test_plain_stretches_on_decode_catch_the_drafter_up_before_it_drafts(engine: GraphEngine) -> None:
+    """Plain steps on `decode` (no drafter context) and on `verify` (which keeps it) over one script: the step that
+    switches drafting on catches the drafter's context up instead, and every later step accepts exactly what it
+    accepts after `verify` steps (the same drafts: the recomputed context rows are those `verify` wrote); outputs
+    equal plain decoding, sampled ones too."""
+    for sampling in (SamplingParams(), SamplingParams(0.9, top_k=20, seed=7)):
+        prompt = [5, 17, 33, 2, 71, 8, 40, 12]
+        plain = generate_plain(engine, prompt, 40, sampling).tokens
+        runs = {}
+        for idle in ("verify", "decode"):
+            policy = ScriptedVerify(list(SWITCHING), idle)
+            runs[idle] = generate(engine, prompt, 40, sampling, policy=policy)
+            assert runs[idle].tokens == plain, f"{idle}: outputs differ from plain decoding ({sampling})"
+            switch_ons = policy.calls.count("catch_up")
+            assert switch_ons == (3 if idle == "decode" else 0), policy.calls
+        assert runs["decode"].stats.acceptance_lengths == runs["verify"].stats.acceptance_lengths
+        assert runs["decode"].stats.accepted_draft_tokens > 0
+
+
+def test_a_next_turn_reuses_the_answer_only_as_far_as_the_drafter_context_reaches(engine: GraphEngine) -> None:
+    """After `decode` steps the slot lacks the drafter's rows of their tokens: a next turn reuses the conversation up
+    to where the drafter's context ends, and its output equals prefilling it whole."""
+    prompt = [9, 18, 27, 36, 45, 54, 63, 72]
+    sequence = Sequence(prompt, 30)
+    _run_all(Scheduler(engine, ScriptedVerify([3, 3], "decode")), [sequence])  # <= 9 tokens, then `decode` steps
+    follow_up = prompt + sequence.tokens + [5, 6]
+    assert len(prompt) < sequence.context_end < len(prompt) + len(sequence.tokens) - 1
+    assert engine.prefixes.longest(follow_up)[1] == sequence.context_end
+    reused = generate(engine, follow_up, 12)
+    assert reused.stats.reused_prompt_tokens == sequence.context_end
+    engine.reuse_prefixes = False
+    try:
+        assert generate(engine, follow_up, 12).tokens == reused.tokens
+    finally:
+        engine.reuse_prefixes = True
+
+
+def test_rows_behind_catch_up_in_one_call_and_the_rest_step(engine: GraphEngine) -> None:
+    """A batch where some rows ran `decode` steps since they drafted and others joined since: those behind catch up
+    together (a longer catch-up recomputes more of a shorter one's generated rows), the others verify; every output
+    equals plain decoding."""
+    requests = _requests(6, seed=4)
+    alone = [generate_plain(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    policy = ScriptedVerify([3, 0, 0, 0, 5, 0, 0, 7, 7, 0, 15, 0, 0, 0, 2] * 8, "decode")
+    _run_all(Scheduler(engine, policy), requests)
+    assert [r.tokens for r in requests] == alone
+    assert "catch_up" in policy.calls and "decode" in policy.calls
 
 
 def test_adaptive_verify_warms_up_only_where_drafting_could_pay() -> None:

@@ -150,9 +150,7 @@ class TritonPythonModel:
         self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"], reuse_prefixes=reuse)
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.eos_ids = tuple(self.manifest["eos_token_ids"])
-        policy = AdaptiveVerify(self.engine.block_size)
-        policy.calibrate(self.engine)
-        self.scheduler = Scheduler(self.engine, policy, prefill_chunk=chunk)
+        self.scheduler = Scheduler(self.engine, AdaptiveVerify.calibrated(self.engine), prefill_chunk=chunk)
         self.metrics = Metrics()
         self.inbox: queue.Queue[Client | Stop] = queue.Queue()  # in arrival order: a stop never overtakes its request
         self.clients: dict[int, Client] = {}  # id(sequence) -> client

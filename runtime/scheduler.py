@@ -40,10 +40,11 @@ PREFILL_CHUNK = 128  # serving's prompt tokens prefilled between two steps while
 class VerifyPolicy(Protocol):
     """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
 
-    graph_when_idle: str  # the graph that runs when no drafts are verified next ("verify", or "decode" for plain)
+    graph_when_idle: str  # the graph that runs when `choose` returns 0: "verify" (keeps the drafter's context) or "decode"
 
-    def choose(self, batch: int) -> int:
-        """Drafts to verify per row in a step of `batch` rows (0 = none)."""
+    def choose(self, batch: int, behind: int = 0) -> int:
+        """Drafts to verify per row in a step of `batch` rows (0 = none); `behind`: tokens whose drafter context the
+        rows lack (after `decode` steps), which a step that drafts first recomputes (`Scheduler._catch_up`)."""
         ...
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -57,7 +58,7 @@ class FixedVerify:
     drafts: int
     graph_when_idle: str = "verify"
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, behind: int = 0) -> int:
         return self.drafts
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -70,7 +71,7 @@ class PlainDecoding:
 
     graph_when_idle: str = "decode"
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, behind: int = 0) -> int:
         return 0
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -138,6 +139,13 @@ class AdaptiveVerify:
     that budget there, up to `2**quiet_looks_limit` times: where drafting never pays (a code drafter on chat
     traffic) looks fade from ~1% of the time to under 0.1%; once the choice changes, they are as frequent as at first.
     Looks do not fade while plain decoding is chosen on evidence too thin to rule drafting out (`_quiet_looks`).
+
+    Plain steps run `verify`, which keeps the drafter's context, while drafting might pay soon; once it is ruled out
+    (it would not pay even with the first draft's acceptance read `decode_optimism` standard errors higher, or at
+    this batch size whatever the drafter guesses), they run `decode`, the cheaper plain step (on the demo pair, 2
+    cores, `verify` costs 2-4% more at one row), if the engine can catch a sequence's drafter context up
+    (`can_catch_up`: no recurrent states). A look from there first recomputes the rows the sequences lack: its
+    cost, counted in the look's spacing, grows with the tokens `behind`, so looks come rarely where they cost most.
     """
 
     block_size: int
@@ -151,7 +159,9 @@ class AdaptiveVerify:
     look_optimism: float = 2.5  # standard errors: looks do not fade while this much optimism would draft (_quiet_looks)
     warmup_rows: int = 8  # rows of drafting steps before the policy weighs acceptance
     warmup_cost_limit: float = 3.0  # a warm-up step costs at most this many steps that verify no draft
-    graph_when_idle: str = "verify"
+    can_catch_up: bool = False  # plain steps may run `decode` (GraphEngine.catch_up restores the drafter's context)
+    decode_optimism: float = 1.0  # standard errors: plain steps run `decode` when even this much optimism would not draft
+    graph_when_idle: str = "verify"  # set by `choose`: "decode" where drafting is ruled out (and can_catch_up)
     reached: np.ndarray = field(init=False)  # [B]: steps that verified draft j with drafts 1..j-1 accepted (0 unused)
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
     since_look: float = 0.0  # seconds of steps since the last exploration
@@ -165,10 +175,9 @@ class AdaptiveVerify:
 
     @classmethod
     def calibrated(cls, engine: GraphEngine) -> AdaptiveVerify:
-        """The policy `dflash-serve` runs on `engine`, calibrated: plain stretches run `decode` (the drafter's context
-        caught up when drafting resumes: on the demo pair, 2 cores, `verify` costs 2-4% more than `decode` at one
-        row), except on targets with recurrent states, where only `verify` keeps that context (`GraphEngine.catch_up`)."""
-        policy = cls(engine.block_size, graph_when_idle="verify" if engine.recurrent else "decode")
+        """The policy `dflash-serve` runs on `engine`, calibrated; plain steps on `decode` where drafting is ruled out,
+        except on targets with recurrent states, where only `verify` keeps the drafter's context (`GraphEngine.catch_up`)."""
+        policy = cls(engine.block_size, can_catch_up=not engine.recurrent)
         policy.calibrate(engine)
         return policy
 
@@ -210,12 +219,12 @@ class AdaptiveVerify:
         now = self.step_cost(batch, 0) if then else None
         return 1.0 if then is None or now is None else now / then
 
-    def optimistic_acceptance(self) -> np.ndarray:
-        """[B]: `acceptance()` with the first draft's acceptance read `look_optimism` standard errors above its mean
-        (its evidence, after decay, is what the standard error counts)."""
+    def optimistic_acceptance(self, errors: float) -> np.ndarray:
+        """[B]: `acceptance()` with the first draft's acceptance read `errors` standard errors above its mean (its
+        evidence, after decay, is what the standard error counts)."""
         reached, accepted = self.reached[1], self.accepted[1]
         first = min(accepted / reached, 1.0)
-        raised = min(first + self.look_optimism * np.sqrt(first * (1.0 - first) / reached), 1.0)
+        raised = min(first + errors * np.sqrt(first * (1.0 - first) / reached), 1.0)
         acceptance = self.acceptance()
         acceptance[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
         return acceptance
@@ -239,9 +248,10 @@ class AdaptiveVerify:
         affordable = [(1 + k) / max(c, 1e-9) if c <= self.warmup_cost_limit * costs[0] else 0.0 for k, c in enumerate(costs)]
         return int(np.argmax(affordable))
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, behind: int = 0) -> int:
         if self.drafted_rows < self.warmup_rows:
             self.chosen = self.warmup_drafts(batch)  # acceptance not measured yet: verify what could pay, and measure
+            self._idle_on("decode" if self.chosen == 0 else "verify")  # 0: no draft could pay at this batch
             return self.chosen
         if self.exploring:
             self.exploring -= 1
@@ -251,11 +261,13 @@ class AdaptiveVerify:
             self.chosen = self.block_size - 1  # a cost not measured yet: verify everything and measure
             return self.chosen
         best = self._best(_rates(batch, self.acceptance(), costs))
+        ruled_out = best == 0 and self._best(_rates(batch, self.optimistic_acceptance(self.decode_optimism), costs)) == 0
+        self._idle_on("decode" if ruled_out else "verify")
         around = [min(best + self.explore_extra, self.block_size - 1), max(best - self.explore_extra, 0)]  # above, below
         if self.looks % 2 == 1:
             around.reverse()  # odd looks look below first
         look = next((k for k in around if k != best), best)
-        extra = abs(costs[look] - costs[best]) + (self._catch_up_cost(batch, costs[0]) if best == 0 else 0.0)
+        extra = abs(costs[look] - costs[best]) + (self._catch_up_cost(behind, costs[0]) if best == 0 else 0.0)
         spacing = 2 * self.explore_budget * extra  # seconds of steps between looks, at first
         if look != best and self.since_look >= spacing:
             quiet = self._quiet_looks(batch, best, costs)
@@ -266,10 +278,16 @@ class AdaptiveVerify:
         self.chosen = best
         return best
 
-    def _catch_up_cost(self, batch: int, plain_step: float) -> float:
-        """Seconds a look from plain decoding spends catching the drafter's context up, beyond the plain step that
-        the catch-up's token saves (0 where plain stretches keep that context, or none was timed yet)."""
-        measured = self.costs.estimate("catch_up", batch) if self.graph_when_idle == "decode" else None
+    def _idle_on(self, graph: str) -> None:
+        """Plain steps run `graph` from now on ("decode" only where the engine can catch the drafter's context up)."""
+        self.graph_when_idle = graph if self.can_catch_up else "verify"
+
+    def _catch_up_cost(self, behind: int, plain_step: float) -> float:
+        """Seconds a look from plain decoding spends recomputing `behind` tokens' rows (as catch-ups cost so far, else
+        as a verify of as many tokens), beyond the plain step whose token the catch-up gives."""
+        if not behind:
+            return 0.0
+        measured = self.costs.estimate("catch_up", behind) or self.costs.estimate("verify", behind)
         return 0.0 if measured is None else max(measured - plain_step, 0.0)
 
     def _quiet_looks(self, batch: int, best: int, costs: np.ndarray) -> int:
@@ -282,7 +300,7 @@ class AdaptiveVerify:
         chosen, looked = self.quiet_looks.get(batch, (best, 0))
         if chosen != best or looked == 0:
             return 0
-        if best == 0 and self._best(_rates(batch, self.optimistic_acceptance(), costs)) != 0:
+        if best == 0 and self._best(_rates(batch, self.optimistic_acceptance(self.look_optimism), costs)) != 0:
             return 0
         return looked
 
@@ -299,6 +317,9 @@ class AdaptiveVerify:
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         self.since_look += seconds
+        if graph == "catch_up":  # recomputed rows, by the tokens recomputed (a new shape nearly every time)
+            self.costs.record("catch_up", batch * width, seconds)
+            return
         self._learn_acceptance(width, accept_lens)
         shape = (graph, batch, width, drafted)
         if shape not in self.shapes_run:  # a shape's first call also plans its memory: not what the shape costs
@@ -307,11 +328,7 @@ class AdaptiveVerify:
         self._record_cost(graph, batch, width, seconds, drafted)
 
     def _record_cost(self, graph: str, batch: int, width: int, seconds: float, drafted: int) -> None:
-        if graph == "catch_up":
-            self.costs.record("catch_up", batch, seconds)
-            return
-        steady = drafted > 0 or graph == self.graph_when_idle  # k = 0 costs what the idle graph costs
-        if drafted == width - 1 and steady:  # a steady step (verified k, drafted k): its cost as it is, the plain step's then
+        if drafted == width - 1:  # a steady step (verified k, drafted k): its cost as it is, and the plain step's then
             plain = self.step_cost(batch, 0) if drafted else None
             if plain is not None:
                 self.costs.record(f"plain_when_run{drafted}", batch, plain)
@@ -338,8 +355,7 @@ class AdaptiveVerify:
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
         """Time, on free slots with throw-away rows at `context` positions (at most half the engine's length): at
         batch 1, the step for every k (verify k drafts, draft k); at batch 2, 4 ..., the step for the first
-        `CALIBRATED_DRAFTS` k; at every batch, the verify graph at 1 and B tokens per row, the idle graph (the plain
-        step) and drafting. The first
+        `CALIBRATED_DRAFTS` k; at every batch, the verify graph at 1 and B tokens per row and drafting. The first
         choices are then informed, and every batch-1 shape has run once; live steps measure the steps they run.
         The few-draft steps are timed at every batch because costs from parts mislead there: a 2-token verify of 16
         rows reads 16 contexts, and the 32-token calls the parts were timed at read one or two."""
@@ -349,8 +365,6 @@ class AdaptiveVerify:
             for width in (1, engine.block_size):  # the plain step (width 1) first: the steps below are scaled by it
                 if batch * width <= max_tokens:
                     self._calibrated("verify", batch, width, 0, time_call(engine, "verify", batch, width, drafts, start))
-            if self.graph_when_idle != "verify":  # the plain step is the idle graph's
-                self._calibrated(self.graph_when_idle, batch, 1, 0, time_call(engine, self.graph_when_idle, batch, 1, 0, start))
             most = drafts if batch == 1 else CALIBRATED_DRAFTS
             for k in range(1, most + 1):
                 if batch * (k + 1) <= max_tokens:
@@ -532,7 +546,8 @@ class Scheduler:
         rows = [s for s in self.active if s.prefilled and not s.finished]
         if not rows:
             return []
-        wanted = self.policy.choose(len(rows))
+        behind = sum(s.start - s.context_end + 1 for s in rows if s.context_end < s.start)  # what a catch-up recomputes
+        wanted = self.policy.choose(len(rows), behind)
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
         emitted: list[tuple[Sequence, list[int]]] = []
         if graph == "step":  # a row whose drafter context lags (after `decode` steps) catches up instead
@@ -567,7 +582,7 @@ class Scheduler:
             began = time.perf_counter()
             out = self.engine.catch_up([self._catch_up_row(s, length) for s in group])
             seconds = time.perf_counter() - began
-            self.policy.observe("catch_up", len(group), 1, seconds, [0] * len(group))
+            self.policy.observe("catch_up", len(group), length, seconds, [0] * len(group))
             self.last_width, self.last_batch = 1, self.last_batch + len(group)
             self.last_graph_seconds += seconds
             emitted += [self._commit(s, out, row, 0, 0, drafter_context=True) for row, s in enumerate(group)]

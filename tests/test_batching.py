@@ -126,7 +126,7 @@ class ScriptedVerify:
     graph_when_idle: str
     calls: list[str] = field(default_factory=list)  # the graphs run, catch-ups included
 
-    def choose(self, batch: int) -> int:
+    def choose(self, batch: int, behind: int = 0) -> int:
         return self.script.pop(0) if self.script else 0
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -183,6 +183,20 @@ def test_rows_behind_catch_up_in_one_call_and_the_rest_step(engine: GraphEngine)
     _run_all(Scheduler(engine, policy), requests)
     assert [r.tokens for r in requests] == alone
     assert "catch_up" in policy.calls and "decode" in policy.calls
+
+
+def test_plain_steps_run_decode_only_where_drafting_is_ruled_out() -> None:
+    """`verify` keeps the drafter's context for a look that may switch drafting on; `decode` is cheaper where drafting
+    would not pay even with the first draft's acceptance read one standard error higher. Engines that cannot catch
+    the context up (recurrent states) always run `verify`."""
+    for can_catch_up in (True, False):
+        policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0, can_catch_up=can_catch_up)
+        for k in range(16):
+            policy.costs.record(f"run{k}", 1, 0.020 if k == 0 else 0.024 + 0.001 * k)  # break-even: first draft at 0.25
+        policy.reached[1], policy.accepted[1] = 100.0, 5.0  # 0.05 on ample evidence: ruled out
+        assert policy.choose(1) == 0 and policy.graph_when_idle == ("decode" if can_catch_up else "verify")
+        policy.reached[1], policy.accepted[1] = 8.0, 1.6  # 0.2 on thin evidence: plain for now, drafting may pay soon
+        assert policy.choose(1) == 0 and policy.graph_when_idle == "verify"
 
 
 def test_adaptive_verify_warms_up_only_where_drafting_could_pay() -> None:

@@ -191,11 +191,11 @@ def test_greedy_dflash_with_a_random_drafter_equals_transformers(
 
 def test_plain_stretches_keep_the_drafter_context_on_a_hybrid_target(qwen35_dir: Path, random_drafter: Path) -> None:
     """The Gated DeltaNet state has taken in the tokens that a catch-up would recompute: the engine refuses it, and
-    the served policy runs `verify` (which keeps the drafter's context), not `decode`, where it does not draft."""
+    the served policy keeps running `verify` (which keeps the drafter's context) where it does not draft."""
     from dflash_trt.builder.graphs import torch_engine
 
     engine = torch_engine(*load_pair(qwen35_dir, random_drafter), max_seq_len=64, max_batch=2)
-    assert AdaptiveVerify.calibrated(engine).graph_when_idle == "verify"
+    assert not AdaptiveVerify.calibrated(engine).can_catch_up
     slot = engine.pool.acquire()
     with pytest.raises(ValueError, match="recurrent states have taken in the tokens"):
         engine.catch_up([PrefillRow(slot, [1, 2], 0.5, SamplingParams(), 4)])

@@ -182,12 +182,11 @@ def _configs(args: argparse.Namespace) -> tuple[TargetConfig, DrafterConfig | No
     return target, drafter
 
 
-def print_plan(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None) -> None:
+def print_plan(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None, block: int, backend: str) -> None:
     drafter = drafter or parse_drafter_config(drafter_config_dict(target, mask_token_id=0))  # an untrained one
-    block = args.block_size or drafter.block_size
     dtype = args.dtype if args.dtype != "auto" else str(target.dtype).removeprefix("torch.")
     memory = parse_bytes(args.gpu_memory) if args.gpu_memory else None
-    quantization = check_mode(args.quantize, choose_backend(args.backend))
+    quantization = check_mode(args.quantize, backend)
     plan = memory_plan(target, drafter, dtype, args.max_seq_len, block, quantization)
     print(f"[dflash-build] plan for {args.model} (block {block}, --max-seq-len {args.max_seq_len}):")
     print(describe(plan, dtype, args.max_seq_len, memory, quantization.name))
@@ -242,12 +241,12 @@ def build(args: argparse.Namespace) -> Path | None:
         args.max_seq_len = min(DEFAULT_MAX_SEQ_LEN, target_config.max_position_embeddings - block)
         print(f"[dflash-build] --max-seq-len {args.max_seq_len}", file=sys.stderr)
     if args.backend == "trtllm":
-        return build_trtllm(args, target_config, drafter_config)
+        return build_trtllm(args, target_config, drafter_config, block)
     _check_limits(args, block, target_config.max_position_embeddings)  # before --plan: no plan of a refused build
     backend = choose_backend(args.backend)
     draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
     if args.plan:
-        print_plan(args, target_config, drafter_config)
+        print_plan(args, target_config, drafter_config, block, backend)
         return None
     require_buildable(target_config, args.model)
     quantization = check_mode(args.quantize, backend)
@@ -314,7 +313,7 @@ def build(args: argparse.Namespace) -> Path | None:
     return args.output
 
 
-def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None) -> Path | None:
+def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: DrafterConfig | None, block: int) -> Path | None:
     """--backend trtllm: plan the ranks, then (without --plan) write the TensorRT-LLM repository."""
     if args.quantize != "none" or args.quantize_drafter:
         raise ValueError(
@@ -329,7 +328,6 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
     drafter_spec = args.drafter or (alias.drafter if alias else None)
     if drafter_spec is None:
         raise ValueError("--backend trtllm needs a trained DFlash drafter: pass --drafter (a hub id or a path in the container)")
-    block = args.block_size or (drafter.block_size if drafter else 16)
     dtype = args.dtype if args.dtype != "auto" else str(target.dtype).removeprefix("torch.")
     memory = parse_bytes(args.gpu_memory or TRTLLM_GPU_MEMORY)
     plan = rank_plan(target, drafter, dtype, args.max_seq_len, block, parallel)

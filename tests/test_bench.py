@@ -12,8 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 from dflash_trt.runtime import load_bench
+from dflash_trt.runtime.bench import decode_rate, pooled_decode_rate
 from dflash_trt.runtime.bench import main as dflash_bench
 from dflash_trt.runtime.load_bench import LoadResult
+from dflash_trt.runtime.loop import Generation, GenerationStats
 from dflash_trt.runtime.repository import load_engine
 
 
@@ -46,6 +48,7 @@ def test_bench_agrees_with_zlab_and_transformers(tiny_repo: Path, tmp_path: Path
     assert abs(results["zlab_tau_mean"] - results["tau_mean"]) < 0.05  # the same drafter accepts the same runs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash_speedup" in capsys.readouterr().out
+    assert results["dflash_speedup_pooled"] > 0
 
 
 def test_bench_verifies_as_served_by_default(tiny_repo: Path, tmp_path: Path) -> None:
@@ -243,3 +246,12 @@ def test_bench_rejects_a_prompts_file_without_prompt_fields(
     with pytest.raises(SystemExit):
         dflash_bench(["--repo", str(tiny_repo), "--dataset", str(bad)])
     assert 'bad.jsonl:1 has no string "prompt" field' in capsys.readouterr().err
+
+
+def test_the_pooled_rate_weighs_every_step_the_same() -> None:
+    """11 tokens in 1 s (10 decode tokens/s after the prefill's first) and 21 in 4 s (5/s): pooled 30 / 5 = 6/s,
+    where the median of the two rates reads 7.5."""
+    quick = Generation(list(range(11)), GenerationStats(16, decode_seconds=1.0))
+    slow = Generation(list(range(21)), GenerationStats(16, decode_seconds=4.0))
+    assert pooled_decode_rate([quick, slow]) == pytest.approx(6.0)
+    assert [decode_rate(quick), decode_rate(slow)] == [10.0, 5.0]

@@ -152,6 +152,12 @@ class Sequence:
         return self.prefill_end == len(self.prompt)
 
     @property
+    def catch_up_tokens(self) -> int:
+        """Tokens a catch-up recomputes before it drafts again: those since its drafter context ends, through its next
+        block's first (0: the context is current)."""
+        return self.start - self.context_end + 1 if self.context_end < self.start else 0
+
+    @property
     def drafts(self) -> int:
         """Drafted tokens in the next block that a step can verify."""
         return len(self.block) - 1

@@ -546,14 +546,13 @@ class Scheduler:
         rows = [s for s in self.active if s.prefilled and not s.finished]
         if not rows:
             return []
-        behind = sum(s.start - s.context_end + 1 for s in rows if s.context_end < s.start)  # what a catch-up recomputes
-        wanted = self.policy.choose(len(rows), behind)
+        lagging = [s for s in rows if s.catch_up_tokens]  # drafter context left behind by `decode` steps
+        wanted = self.policy.choose(len(rows), sum(s.catch_up_tokens for s in lagging))
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
         emitted: list[tuple[Sequence, list[int]]] = []
-        if graph == "step":  # a row whose drafter context lags (after `decode` steps) catches up instead
-            behind = [s for s in rows if s.context_end < s.start]
-            rows = [s for s in rows if s.context_end >= s.start]
-            emitted = self._catch_up(behind) if behind else []
+        if graph == "step" and lagging:  # those rows catch up instead; the others step
+            rows = [s for s in rows if not s.catch_up_tokens]
+            emitted = self._catch_up(lagging)
             if not rows:
                 return emitted
         drafts = min(wanted, *(s.drafts for s in rows))
@@ -574,9 +573,9 @@ class Scheduler:
         rows of their own generated tokens before theirs (valid rows rewritten with the same values) -> each row's
         next token; the next block drafts the whole block."""
         emitted: list[tuple[Sequence, list[int]]] = []
-        waiting = sorted(rows, key=lambda s: s.start - s.context_end, reverse=True)
+        waiting = sorted(rows, key=lambda s: s.catch_up_tokens, reverse=True)
         while waiting:
-            length = waiting[0].start - waiting[0].context_end + 1  # its tokens since, and the last emitted one
+            length = waiting[0].catch_up_tokens
             group = [s for s in waiting if s.start + 1 - length >= len(s.prompt)]  # recomputing only generated tokens
             waiting = [s for s in waiting if s.start + 1 - length < len(s.prompt)]
             began = time.perf_counter()

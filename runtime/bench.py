@@ -18,6 +18,7 @@ plain decoding on the same engine to compare with."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import statistics
@@ -173,10 +174,23 @@ def bench_served_repository(args: argparse.Namespace, parser: argparse.ArgumentP
 
 @dataclass
 class EngineRuns:
-    """Per prompt: plain and DFlash on the same engine, alternating."""
+    """Per prompt and round (round-major): plain and DFlash on the same engine, alternating."""
 
+    prompts: int
     plain: list[Generation] = field(default_factory=list)
     dflash: list[Generation] = field(default_factory=list)
+
+    def pooled_speedup_by_round(self) -> list[float]:
+        """Each round's DFlash over plain decode rate, all its prompts pooled."""
+        rounds = range(0, len(self.plain), self.prompts)
+        return [pooled_decode_rate(self.dflash[i : i + self.prompts]) / pooled_decode_rate(self.plain[i : i + self.prompts])
+                for i in rounds]  # fmt: skip
+
+    def all_equal_plain(self) -> bool:
+        """Every DFlash output, in every round, equals the first round's plain output for its prompt (and so does every
+        later round's plain output: greedy decoding repeats itself)."""
+        first = [r.tokens for r in self.plain[: self.prompts]]
+        return all(r.tokens == first[i % self.prompts] for runs in (self.plain, self.dflash) for i, r in enumerate(runs))
 
 
 def verify_policy(engine: GraphEngine, verify: str) -> VerifyPolicy:
@@ -199,13 +213,21 @@ def concurrency_levels(option: str, parser: argparse.ArgumentParser) -> list[int
 
 
 def run_engine(
-    engine: GraphEngine, prompts: list[list[int]], max_tokens: int, sampling: SamplingParams, policy: VerifyPolicy
+    engine: GraphEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    sampling: SamplingParams,
+    policy: VerifyPolicy,
+    rounds: int = 1,
 ) -> EngineRuns:
-    runs = EngineRuns()
-    for number, prompt in enumerate(prompts, 1):
+    """`rounds` passes over the prompts, plain then DFlash on each; one policy throughout, learning as a server's does."""
+    runs = EngineRuns(len(prompts))
+    for round_number, (number, prompt) in itertools.product(range(1, rounds + 1), enumerate(prompts, 1)):
         runs.plain.append(generate_plain(engine, prompt, max_tokens, sampling))
         runs.dflash.append(generate(engine, prompt, max_tokens, sampling, policy=policy))
-        print(f"[dflash-bench] prompt {number}/{len(prompts)}: tau {runs.dflash[-1].stats.tau:.2f}", file=sys.stderr, flush=True)
+        where = f"round {round_number}/{rounds}, " if rounds > 1 else ""
+        tau = runs.dflash[-1].stats.tau
+        print(f"[dflash-bench] {where}prompt {number}/{len(prompts)}: tau {tau:.2f}", file=sys.stderr, flush=True)
     return runs
 
 
@@ -290,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="with --concurrency: rounds of the three modes (at each level DFlash and plain batched side by side in "
+        help="passes over the prompts, pooled (default 1; 2 with --concurrency): one stream runs plain and DFlash "
+        "alternating per prompt in every round and also reports each round's pooled ratio, to show the spread; "
+        "with --concurrency, rounds of the three modes (at each level DFlash and plain batched side by side in "
         "lock step, and one at a time taking turns with them in slices of a few seconds, each timed on its own clock, "
-        "so a drift in the machine's speed weighs on all alike), each mode's rounds pooled",
+        "so a drift in the machine's speed weighs on all alike)",
     )
     parser.add_argument(
         "--requests-per-client",
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         limits["--threads"] = (args.threads, 0)  # 0: one per core
     require_at_least(parser, limits)
+    if args.rounds is None:
+        args.rounds = 2 if levels else 1
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least one round")
     if args.requests_per_client < 1:
@@ -369,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     threads = engine_threads(manifest, args.threads)
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
-    runs = run_engine(engine, prompts, args.max_tokens, sampling, verify_policy(engine, args.verify))
+    runs = run_engine(engine, prompts, args.max_tokens, sampling, verify_policy(engine, args.verify), args.rounds)
     plain_rates, dflash_rates = [decode_rate(r) for r in runs.plain], [decode_rate(r) for r in runs.dflash]
-    plain_outputs = [r.tokens for r in runs.plain]
+    plain_outputs = [r.tokens for r in runs.plain[: len(prompts)]]  # the first round's
     dflash_step_ms = statistics.median(step_ms(r) for r in runs.dflash)
     plain_step_ms = statistics.median(step_ms(r) for r in runs.plain)
     quantization = manifest.get("quantization", {"mode": "none"})
@@ -385,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_threads": threads,
         "dataset": args.dataset,
         "prompts": len(prompts),
+        "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "block_size": engine.block_size,
@@ -399,13 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         "dflash_tok_s_median": statistics.median(dflash_rates),
         "dflash_speedup": statistics.median(dflash_rates) / statistics.median(plain_rates),
         "dflash_speedup_pooled": pooled_decode_rate(runs.dflash) / pooled_decode_rate(runs.plain),  # total tokens / time
+        "dflash_speedup_pooled_by_round": runs.pooled_speedup_by_round(),
         **acceptance_summary(runs.dflash, engine.block_size),
         "ttft_ms_median": statistics.median(r.stats.prefill_seconds for r in runs.dflash) * 1e3,
         "inter_token_ms_median": statistics.median(inter_token_ms(r) for r in runs.dflash),
         "plain_inter_token_ms_median": statistics.median(inter_token_ms(r) for r in runs.plain),
-        "t0_identical": all(p.tokens == d.tokens for p, d in zip(runs.plain, runs.dflash, strict=True))
-        if greedy
-        else "n/a (T>0)",
+        "t0_identical": runs.all_equal_plain() if greedy else "n/a (T>0)",
     }
     if args.served:
         results.update(served_rates(args.served, prompts, args.max_tokens, dflash_rates, plain_outputs))

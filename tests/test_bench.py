@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from dflash_trt.runtime import load_bench
-from dflash_trt.runtime.bench import decode_rate, pooled_decode_rate
+from dflash_trt.runtime.bench import EngineRuns, decode_rate, pooled_decode_rate
 from dflash_trt.runtime.bench import main as dflash_bench
 from dflash_trt.runtime.load_bench import LoadResult
 from dflash_trt.runtime.loop import Generation, GenerationStats
@@ -53,16 +53,20 @@ def test_bench_agrees_with_zlab_and_transformers(tiny_repo: Path, tmp_path: Path
 
 def test_bench_verifies_as_served_by_default(tiny_repo: Path, tmp_path: Path) -> None:
     """The default DFlash side runs the served policy (verify length chosen by cost and acceptance): still exact;
-    its loop step times are per step of each generation."""
+    its loop step times are per step of each generation. Two rounds pool both passes over the prompts, and each
+    round's pooled ratio is listed: the overall one, a mediant of theirs, lies between them."""
     out = tmp_path / "bench.json"
     command = ["--repo", str(tiny_repo), "--dataset", str(_prompts_file(tmp_path / "prompts.jsonl")), "--num-prompts", "3",
-               "--max-tokens", "40", "--repeats", "2", "--json", str(out)]  # fmt: skip
+               "--max-tokens", "40", "--repeats", "2", "--rounds", "2", "--json", str(out)]  # fmt: skip
     assert dflash_bench(command) == 0
     results = json.loads(out.read_text())
     assert results["verify"] == "adaptive" and results["t0_identical"] is True
     steps = sum(results["tokens_per_step_histogram"])
-    assert sum(n * c for n, c in enumerate(results["tokens_per_step_histogram"], 1)) == 3 * 40 - 3
-    assert steps < 3 * 39, "the trained tiny drafter's runs are accepted under the served policy too"
+    assert sum(n * c for n, c in enumerate(results["tokens_per_step_histogram"], 1)) == 2 * (3 * 40 - 3)
+    assert steps < 2 * 3 * 39, "the trained tiny drafter's runs are accepted under the served policy too"
+    by_round = results["dflash_speedup_pooled_by_round"]
+    assert results["rounds"] == 2 and len(by_round) == 2
+    assert min(by_round) <= results["dflash_speedup_pooled"] <= max(by_round)
     ratio = results["dflash_step_ms_median"] / results["plain_step_ms_median"]
     assert results["dflash_step_over_plain_step"] == pytest.approx(ratio)
 
@@ -255,3 +259,21 @@ def test_the_pooled_rate_weighs_every_step_the_same() -> None:
     slow = Generation(list(range(21)), GenerationStats(16, decode_seconds=4.0))
     assert pooled_decode_rate([quick, slow]) == pytest.approx(6.0)
     assert [decode_rate(quick), decode_rate(slow)] == [10.0, 5.0]
+
+
+def test_rounds_are_pooled_apart_and_compared_with_the_first_rounds_plain_output() -> None:
+    """Two prompts, two rounds: each round's ratio pools its own prompts only, and an output that differs from the
+    first round's plain output for its prompt, in any round and on either side, is caught."""
+
+    def run(tokens: list[int], seconds: float) -> Generation:
+        return Generation(tokens, GenerationStats(16, decode_seconds=seconds))
+
+    a, b = [1] * 11, [2] * 11
+    runs = EngineRuns(2, plain=[run(a, 1.0), run(b, 1.0), run(a, 2.0), run(b, 2.0)],
+                      dflash=[run(a, 0.5), run(b, 1.5), run(a, 1.0), run(b, 1.0)])  # fmt: skip
+    assert runs.pooled_speedup_by_round() == pytest.approx([2.0 / 2.0, 4.0 / 2.0])
+    assert runs.all_equal_plain()
+    runs.dflash[3] = run([2] * 10 + [3], 1.0)  # the second round's DFlash output for prompt 2 differs
+    assert not runs.all_equal_plain()
+    runs.dflash[3], runs.plain[2] = run(b, 1.0), run(b, 2.0)  # a later round's plain output for prompt 1 differs
+    assert not runs.all_equal_plain()

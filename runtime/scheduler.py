@@ -199,25 +199,29 @@ class AdaptiveVerify:
         has moved since (`_plain_drift`); else from its parts (verify by tokens + drafting by the block slots it
         denoises, batch x (1 + drafts)): per-row costs fall with the batch, so a larger batch is never extrapolated
         from a smaller one's steps."""
+        return self._step_cost(batch, drafts, self._step_cost(batch, 0, None) if drafts else None)
+
+    def _step_cost(self, batch: int, drafts: int, plain: float | None) -> float | None:
+        """`step_cost`, given the plain step's cost at this batch size now (None for the plain step itself), which
+        every k's drift needs: worked out once per choice, not once per k."""
         runs = self.costs.seconds.get(f"run{drafts}", {})
         if batch in runs or (runs and min(runs) < batch < max(runs)):
             measured = self.costs.estimate(f"run{drafts}", batch)
-            return None if measured is None else measured * self._plain_drift(batch, drafts)
+            return None if measured is None else measured * self._plain_drift(batch, drafts, plain)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
             return verify
         draft = self.costs.estimate("draft", batch * (drafts + 1))
         return None if draft is None else verify + draft
 
-    def _plain_drift(self, batch: int, drafts: int) -> float:
+    def _plain_drift(self, batch: int, drafts: int, now: float | None) -> float:
         """How the plain step's cost at this batch size (k = 0, measured by nearly every step where drafting does
-        not pay) has moved since steps of `drafts` were timed here: now / then. Costs of a k rarely run are scaled
+        not pay; `now`) has moved since steps of `drafts` were timed here: now / then. Costs of a k rarely run are scaled
         by it, so a comparison with the plain step is between costs of one moment: a plain step whose context has
         grown, or that ran in a slow minute, is not weighed against a k-step timed at calibration (at batch 16 on
         the demo pair, 2 cores, that made a 1-draft step read 1.42 plain steps where it cost 1.5-1.6)."""
         then = self.costs.estimate(f"plain_when_run{drafts}", batch) if drafts else None
-        now = self.step_cost(batch, 0) if then else None
-        return 1.0 if then is None or now is None else now / then
+        return 1.0 if not then or now is None else now / then
 
     def optimistic_acceptance(self, errors: float) -> np.ndarray:
         """[B]: `acceptance()` with the first draft's acceptance read `errors` standard errors above its mean (its
@@ -235,15 +239,17 @@ class AdaptiveVerify:
 
     def _step_costs(self, batch: int) -> np.ndarray:
         """[B]: `step_cost` for k = 0 .. B-1 (nan where unknown)."""
-        return np.array([np.nan if c is None else c for c in (self.step_cost(batch, k) for k in range(self.block_size))])
+        plain = self._step_cost(batch, 0, None)
+        costs = (plain, *(self._step_cost(batch, k, plain) for k in range(1, self.block_size)))
+        return np.array([np.nan if c is None else c for c in costs])
 
     def warmup_drafts(self, batch: int) -> int:
         """Drafts to verify while acceptance is unmeasured: the k that maximises tokens per second if every draft is
         accepted, among steps costing at most `warmup_cost_limit` steps that verify none (0: measuring here costs
         too much, or drafting cannot pay at this batch whatever the drafter guesses); the whole block where a cost
         is not known yet."""
-        costs = [c for c in (self.step_cost(batch, k) for k in range(self.block_size)) if c is not None]
-        if len(costs) < self.block_size:
+        costs = self._step_costs(batch)
+        if np.isnan(costs).any():
             return self.block_size - 1
         affordable = [(1 + k) / max(c, 1e-9) if c <= self.warmup_cost_limit * costs[0] else 0.0 for k, c in enumerate(costs)]
         return int(np.argmax(affordable))
@@ -347,7 +353,9 @@ class AdaptiveVerify:
         fading = np.maximum(self.decay, np.minimum(self.evidence_floor / self.reached, 1.0))  # [B]
         self.reached *= fading
         self.accepted *= fading
-        self.drafted_rows += len(accept_lens) if width > 1 else 0
+        if width == 1:
+            return  # a plain step verified no draft
+        self.drafted_rows += len(accept_lens)
         for accept_len in accept_lens:
             self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
             self.accepted[1 : accept_len + 1] += 1

@@ -8,7 +8,8 @@ acceptance histogram; TTFT and inter-token latency; and whether T=0 outputs were
 every step (`--verify full`). Prompts go through the target's chat template, formatted as z-lab's benchmark does.
 `--against transformers` adds eager transformers `generate()`, `--against zlab` the z-lab `dflash` reference
 (transformers backend) on the same pair and prompts, each in a process of its own with the engine's thread
-count (recorded in the results). `--plot` writes a PNG (acceptance histogram, tok/s).
+count (recorded in the results). `--rounds N` makes N passes over the prompts, pooled, and lists each pass's
+pooled ratio beside the overall one. `--plot` writes a PNG (acceptance histogram, tok/s).
 
 A `dflash-build --backend trtllm` repository runs in TensorRT-LLM's container, not here: `--served HOST:PORT
 --tokenizer TARGET` then streams the prompts as text through its ensemble and reports what a client sees (decode

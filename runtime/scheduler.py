@@ -554,12 +554,13 @@ class Scheduler:
         rows = [s for s in self.active if s.prefilled and not s.finished]
         if not rows:
             return []
-        lagging = [s for s in rows if s.catch_up_tokens]  # drafter context left behind by `decode` steps
-        wanted = self.policy.choose(len(rows), sum(s.catch_up_tokens for s in lagging))
+        behind = [s.catch_up_tokens for s in rows]  # per row: drafter context left behind by `decode` steps
+        wanted = self.policy.choose(len(rows), sum(behind))
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
         emitted: list[tuple[Sequence, list[int]]] = []
-        if graph == "step" and lagging:  # those rows catch up instead; the others step
-            rows = [s for s in rows if not s.catch_up_tokens]
+        if graph == "step" and any(behind):  # rows behind catch up instead; the others step
+            lagging = [s for s, tokens in zip(rows, behind, strict=True) if tokens]
+            rows = [s for s, tokens in zip(rows, behind, strict=True) if not tokens]
             emitted = self._catch_up(lagging)
             if not rows:
                 return emitted

@@ -39,9 +39,17 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last axis, in fp32 (every RMSNorm variant starts here; they differ in the scaling)."""
+    """x / rms(x) over the last axis, in fp32 (every RMSNorm variant starts here; they differ in the scaling).
+
+    Eager, as transformers computes it (times `rsqrt`), bitwise: the torch engine's hidden states equal transformers'.
+    Exported, as a division by the square root (the two differ by an ulp at most): the pattern ONNX Runtime's graph
+    optimizer fuses into one SimplifiedLayerNormalization kernel per norm, where `rsqrt` stays five elementwise
+    kernels (Pow, ReduceMean, Add, Sqrt, Reciprocal, then Mul); the file keeps standard operators either way."""
     x32 = x.to(torch.float32)
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = x32.pow(2).mean(-1, keepdim=True) + eps
+    if torch.compiler.is_exporting():
+        return x32 / torch.sqrt(mean_square)
+    return x32 * torch.rsqrt(mean_square)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,20 +90,26 @@ def rope_inverse_frequencies(rope_parameters: dict[str, Any], head_dim: int, max
 def rotary_cos_sin(
     inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # positions: [B, S] -> cos, sin: [B, S, D]
+    """positions: [B, S] -> (cos, signed_sin): [B, S, D], the angles' halves repeated; signed_sin carries the
+    rotation's sign on its first half (-sin, sin), which `apply_rotary` would otherwise negate the rotated input
+    for in every layer."""
     freqs = positions[..., None].float() * inv_freq.float()
     angles = torch.cat((freqs, freqs), dim=-1)
-    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
+    ones = torch.ones_like(inv_freq, dtype=torch.float32)  # [D/2]: a constant once exported
+    signs = torch.cat((-ones, ones))  # [D]
+    return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling * signs).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, S, H, D]; cos, sin: [B, S, Dr] with Dr <= D: partial rotary turns the first Dr dims only
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, S, H, D]; cos, signed_sin: [B, S, Dr] (`rotary_cos_sin`) with Dr <= D: partial rotary turns the first
+    Dr dims only. x * cos + (x2, x1) * (-sin, sin): bitwise the usual x * cos + (-x2, x1) * sin (a product's sign is
+    exact), one negation per graph instead of one per layer."""
     if cos.shape[-1] < x.shape[-1]:
         rotary = cos.shape[-1]
-        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+        return torch.cat([apply_rotary(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, :, None, :] + swapped * signed_sin[:, :, None, :]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ Shapes: B batch, S tokens, T cache slots, L layers, H/Hkv heads, D head dim, E h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol, cast
 
@@ -72,7 +72,8 @@ class PooledPast:
     """Past K/V read straight from an engine's state pool, which graphs take flat: [L * N * T, Hkv, D] (layer-major,
     then slot, then position; the engine binds a view of its [L, N, T, Hkv, D] tensor, so nothing is reshaped or
     copied). Reads the first `rows` positions of each sequence's slot and `room` more (stale rows of the same slot,
-    which the engine keeps inside the pool: rows + room <= T), one Gather per layer."""
+    which the engine keeps inside the pool: rows + room <= T), one Gather per layer, whose row numbers for every
+    layer are computed once per call."""
 
     k_pool: torch.Tensor  # [L * N * T, Hkv, D]
     v_pool: torch.Tensor
@@ -80,24 +81,28 @@ class PooledPast:
     positions: int  # T, fixed when the engine is built
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
+    _layer_rows: torch.Tensor | None = field(default=None, init=False)  # [L, B, R + room], the first `layer` call's
 
-    def row_index(self, layers: torch.Tensor | int, room: int) -> torch.Tensor:
-        """layers: [L'] -> flat row numbers [L', B, R + room]; one layer's number -> [B, R + room]. (A layer number
-        stays a Python int: a tensor made of it would be a host-to-device copy per layer, which a CUDA graph
-        cannot capture.)"""
+    def __post_init__(self) -> None:
+        self._k_rows, self._v_rows = self.k_pool.flatten(1), self.v_pool.flatten(1)  # [L * N * T, Hkv * D]: views
+
+    def row_index(self, layers: torch.Tensor, room: int) -> torch.Tensor:
+        """layers: [L'] -> flat row numbers [L', B, R + room]."""
         rows_per_layer = self.k_pool.shape[0] // self.layers  # N * T
-        layer_first = layers[:, None] * rows_per_layer if isinstance(layers, torch.Tensor) else layers * rows_per_layer
-        first = layer_first + self.slots * self.positions  # [L', B] or [B]
-        return first[..., None] + torch.arange(self.rows + room, device=self.slots.device)  # [..., R + room]
+        first = layers[:, None] * rows_per_layer + self.slots * self.positions  # [L', B]
+        return first[..., None] + torch.arange(self.rows + room, device=self.slots.device)  # [L', B, R + room]
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]."""
-        flat = rows.reshape(-1)
-        k = self.k_pool.index_select(0, flat).unflatten(0, rows.shape)
-        return k, self.v_pool.index_select(0, flat).unflatten(0, rows.shape)
+        """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]: one Gather each (an embedding lookup of rows)."""
+        row_shape = self.k_pool.shape[1:]
+        return F.embedding(rows, self._k_rows).unflatten(-1, row_shape), F.embedding(rows, self._v_rows).unflatten(-1, row_shape)
 
     def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather(self.row_index(index, room))  # [B, R + room, Hkv, D]
+        """One call reads every layer with the same room (its token count): the row numbers of all layers are computed
+        at the first layer's read, on the device, instead of once per layer."""
+        if self._layer_rows is None:
+            self._layer_rows = self.row_index(torch.arange(self.layers, device=self.slots.device), room)
+        return self.gather(self._layer_rows[index])  # [B, R + room, Hkv, D]
 
     def stacked(self, room: int) -> StackedPast:
         """Every layer's rows and room: k, v [L, B, R + room, Hkv, D]."""

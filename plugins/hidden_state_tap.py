@@ -92,8 +92,8 @@ def _hidden_state_tap_node(taps: torch.Tensor, positions: torch.Tensor, weights:
 def RMSNormLastAxis(x, weight, eps: float):
     """fp32 RMSNorm over the last axis, cast back, times weight (Llama/Qwen convention)."""
     x32 = op.Cast(x, to=1)  # FLOAT
-    mean_square = op.ReduceMean(op.Mul(x32, x32), op.Constant(value_ints=[-1]), keepdims=1)
-    normed = op.Mul(x32, op.Reciprocal(op.Sqrt(op.Add(mean_square, op.Constant(value_float=eps)))))
+    mean_square = op.ReduceMean(op.Pow(x32, op.Constant(value_float=2.0)), op.Constant(value_ints=[-1]), keepdims=1)
+    normed = op.Div(x32, op.Sqrt(op.Add(mean_square, op.Constant(value_float=eps))))  # layers.rms_normalize's form
     return op.Mul(weight, op.CastLike(normed, x))
 
 

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from dflash_trt.builder.cli import EXPORT_CACHE_ENV
@@ -25,6 +26,7 @@ from dflash_trt.plugins.onnx_domain import DOMAIN
 from dflash_trt.runtime.engine import EngineSpec, PrefillRow, StepBatch
 from dflash_trt.runtime.graph_io import GRAPH_NAMES, graph_inputs, graph_outputs
 from dflash_trt.runtime.loop import generate, generate_plain
+from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import SamplingParams, SamplingTensors
 from dflash_trt.runtime.serve import child_processes
@@ -185,6 +187,20 @@ def test_graphs_pass_the_checker_and_use_only_tensorrt_ops(interrupted_then_buil
                 stored.add((int(where["offset"]), int(where["length"])))
     digests = [hashlib.sha256(blob[offset : offset + length]).hexdigest() for offset, length in stored]
     assert len(set(digests)) == len(digests) > 10, "a tensor is stored twice in weights.bin"
+
+
+def test_onnxruntime_fuses_the_decode_graphs_norms(interrupted_then_built, tmp_path: Path) -> None:
+    """The RMSNorms are exported in the form ONNX Runtime's optimizer fuses (layers.rms_normalize): the decode graph
+    as the engine's session optimizes it keeps no norm as elementwise kernels, and the rotary embedding negates
+    nothing per layer (its sign rides on the sine, layers.rotary_cos_sin)."""
+    engine_dir = interrupted_then_built[0] / "dflash" / "1" / "engine"
+    options = SessionSettings(intra_op_threads=1).options()
+    options.optimized_model_filepath = str(tmp_path / "decode.optimized.onnx")
+    ort.InferenceSession(str(engine_dir / "decode.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = [n.op_type for n in onnx.load(str(tmp_path / "decode.optimized.onnx"), load_external_data=False).graph.node]
+    exported = [n.op_type for n in onnx.load(str(engine_dir / "decode.onnx"), load_external_data=False).graph.node]
+    assert exported.count("Sqrt") > 0 and optimized.count("SimplifiedLayerNormalization") == exported.count("Sqrt")
+    assert not {"Sqrt", "Reciprocal", "ReduceMean", "Pow", "Neg"} & set(optimized)
 
 
 def test_onnxruntime_engine_equals_transformers_greedy(interrupted_then_built, tiny_targets: dict[str, Path]) -> None:

@@ -43,8 +43,8 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
 
     Eager, as transformers computes it (times `rsqrt`), bitwise: the torch engine's hidden states equal transformers'.
     Exported, as a division by the square root (the two differ by an ulp at most): the pattern ONNX Runtime's graph
-    optimizer fuses into one SimplifiedLayerNormalization kernel per norm, where `rsqrt` stays five elementwise
-    kernels (Pow, ReduceMean, Add, Sqrt, Reciprocal, then Mul); the file keeps standard operators either way."""
+    optimizer fuses into one SimplifiedLayerNormalization kernel per norm, where `rsqrt` stays six kernels (Pow,
+    ReduceMean, Add, Sqrt, Reciprocal, Mul); the file keeps standard operators either way."""
     x32 = x.to(torch.float32)
     mean_square = x32.pow(2).mean(-1, keepdim=True) + eps
     if torch.compiler.is_exporting():

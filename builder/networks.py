@@ -82,6 +82,7 @@ class PooledPast:
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
     _layer_rows: torch.Tensor | None = field(default=None, init=False)  # [L, B, R + room], the first `layer` call's
+    _room: int = field(default=0, init=False)  # that call's room
 
     def __post_init__(self) -> None:
         self._k_rows, self._v_rows = self.k_pool.flatten(1), self.v_pool.flatten(1)  # [L * N * T, Hkv * D]: views
@@ -101,7 +102,9 @@ class PooledPast:
         """One call reads every layer with the same room (its token count): the row numbers of all layers are computed
         at the first layer's read, on the device, instead of once per layer."""
         if self._layer_rows is None:
-            self._layer_rows = self.row_index(torch.arange(self.layers, device=self.slots.device), room)
+            self._layer_rows, self._room = self.row_index(torch.arange(self.layers, device=self.slots.device), room), room
+        elif not torch.compiler.is_exporting() and room != self._room:
+            raise ValueError(f"PooledPast serves one call: its layers were read with room {self._room}, now {room}")
         return self.gather(self._layer_rows[index])  # [B, R + room, Hkv, D]
 
     def stacked(self, room: int) -> StackedPast:

@@ -82,16 +82,16 @@ class PooledPast:
     slots: torch.Tensor  # [B]
     rows: int  # R <= T (a symbolic size when exported)
     _layer_rows: torch.Tensor | None = field(default=None, init=False)  # [L, B, R + room], the first `layer` call's
-    _room: int = field(default=0, init=False)  # that call's room
 
     def __post_init__(self) -> None:
         self._k_rows, self._v_rows = self.k_pool.flatten(1), self.v_pool.flatten(1)  # [L * N * T, Hkv * D]: views
 
-    def row_index(self, layers: torch.Tensor, room: int) -> torch.Tensor:
-        """layers: [L'] -> flat row numbers [L', B, R + room]."""
+    def row_index(self, room: int) -> torch.Tensor:
+        """Flat row numbers of every layer's rows and room: [L, B, R + room], computed on the device."""
         rows_per_layer = self.k_pool.shape[0] // self.layers  # N * T
-        first = layers[:, None] * rows_per_layer + self.slots * self.positions  # [L', B]
-        return first[..., None] + torch.arange(self.rows + room, device=self.slots.device)  # [L', B, R + room]
+        layers = torch.arange(self.layers, device=self.slots.device)
+        first = layers[:, None] * rows_per_layer + self.slots * self.positions  # [L, B]
+        return first[..., None] + torch.arange(self.rows + room, device=self.slots.device)  # [L, B, R + room]
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: [...] flat row numbers -> (k, v) [..., Hkv, D]: one Gather each (an embedding lookup of rows)."""
@@ -100,16 +100,17 @@ class PooledPast:
 
     def layer(self, index: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One call reads every layer with the same room (its token count): the row numbers of all layers are computed
-        at the first layer's read, on the device, instead of once per layer."""
+        at the first layer's read instead of once per layer."""
         if self._layer_rows is None:
-            self._layer_rows, self._room = self.row_index(torch.arange(self.layers, device=self.slots.device), room), room
-        elif not torch.compiler.is_exporting() and room != self._room:
-            raise ValueError(f"PooledPast serves one call: its layers were read with room {self._room}, now {room}")
+            self._layer_rows = self.row_index(room)
+        elif not torch.compiler.is_exporting() and self._layer_rows.shape[-1] != self.rows + room:
+            raise ValueError(f"PooledPast serves one call: its layers were read with room "
+                             f"{self._layer_rows.shape[-1] - self.rows}, now {room}")  # fmt: skip
         return self.gather(self._layer_rows[index])  # [B, R + room, Hkv, D]
 
     def stacked(self, room: int) -> StackedPast:
         """Every layer's rows and room: k, v [L, B, R + room, Hkv, D]."""
-        return StackedPast(*self.gather(self.row_index(torch.arange(self.layers, device=self.slots.device), room)))
+        return StackedPast(*self.gather(self.row_index(room)))
 
 
 @dataclass

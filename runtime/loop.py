@@ -67,11 +67,14 @@ class GenerationStats:
     draft_tokens: int = 0  # drafts the target verified
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (accepted + bonus)
     position_accept_counts: list[int] = field(default_factory=list)  # [S-1]: steps whose draft slot j+1 was accepted
+    position_reached_counts: list[int] = field(default_factory=list)  # [S-1]: steps that verified slot j+1, slots before accepted
     finish_reason: str = "length"  # "length" | "stop" | "cancelled"
 
     def __post_init__(self) -> None:
         if not self.position_accept_counts:
             self.position_accept_counts = [0] * (self.block_size - 1)
+        if not self.position_reached_counts:
+            self.position_reached_counts = [0] * (self.block_size - 1)
 
     def record_step(self, verified: int, accept_len: int, emitted: int) -> None:
         self.steps += 1
@@ -79,6 +82,8 @@ class GenerationStats:
         self.acceptance_lengths.append(emitted)
         for slot in range(accept_len):
             self.position_accept_counts[slot] += 1
+        for slot in range(min(accept_len + 1, verified)):  # the first rejected draft was reached too
+            self.position_reached_counts[slot] += 1
 
     @property
     def accepted_draft_tokens(self) -> int:

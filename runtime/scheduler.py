@@ -42,9 +42,10 @@ class VerifyPolicy(Protocol):
 
     graph_when_idle: str  # the graph that runs when `choose` returns 0: "verify" (keeps the drafter's context) or "decode"
 
-    def choose(self, batch: int, behind: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = ()) -> int:
         """Drafts to verify per row in a step of `batch` rows (0 = none); `behind`: tokens whose drafter context the
-        rows lack (after `decode` steps), which a step that drafts first recomputes (`Scheduler._catch_up`)."""
+        rows lack (after `decode` steps), which a step that drafts first recomputes (`Scheduler._catch_up`); `rows`:
+        the rows' statistics so far (what their own drafts achieved), where known."""
         ...
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -58,7 +59,7 @@ class FixedVerify:
     drafts: int
     graph_when_idle: str = "verify"
 
-    def choose(self, batch: int, behind: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = ()) -> int:
         return self.drafts
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -71,7 +72,7 @@ class PlainDecoding:
 
     graph_when_idle: str = "decode"
 
-    def choose(self, batch: int, behind: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = ()) -> int:
         return 0
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -118,10 +119,12 @@ class StepCosts:
 
 @dataclass
 class AdaptiveVerify:
-    """Verify the k that maximises expected tokens per second for the batch size at hand:
-    batch x (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
-    per-position acceptance (k = 0 when drafting does not pay, e.g. poor acceptance at a large batch). From plain
-    decoding, drafting is switched back on only for a gain of at least `switch_on_margin` (see `_best`).
+    """Verify the k that maximises expected tokens per second for the batch at hand:
+    sum over rows of (1 + sum_{j<=k} P(drafts 1..j accepted)) / cost(batch, k), from measured step costs and measured
+    per-position acceptance: the traffic's, weighed with each row's own drafts so far (`acceptance`), so a request the
+    drafter does not know decodes plainly beside those it drafts well (k = 0 when drafting does not pay, e.g. poor
+    acceptance at a large batch). From plain decoding, drafting is switched back on only for a gain of at least
+    `switch_on_margin` (see `_best`).
 
     Until drafts of `warmup_rows` rows have been verified, the policy verifies the k that would be best if every
     draft were accepted, among steps that cost at most `warmup_cost_limit` steps verifying none: acceptance is
@@ -157,6 +160,7 @@ class AdaptiveVerify:
     evidence_floor: float = 8.0  # observations per position that decay leaves (see _learn_acceptance)
     switch_on_margin: float = 0.05  # from plain decoding, drafting must promise this much more (see choose)
     look_optimism: float = 2.5  # standard errors: looks do not fade while this much optimism would draft (_quiet_looks)
+    row_prior: float = 4.0  # a row's own observations the traffic's acceptance weighs as (see acceptance)
     warmup_rows: int = 8  # rows of drafting steps before the policy weighs acceptance
     warmup_cost_limit: float = 3.0  # a warm-up step costs at most this many steps that verify no draft
     can_catch_up: bool = False  # plain steps may run `decode` (GraphEngine.catch_up restores the drafter's context)
@@ -185,13 +189,25 @@ class AdaptiveVerify:
         self.reached = np.ones(self.block_size)  # a weak prior: each draft accepted half the times it is reached
         self.accepted = np.full(self.block_size, 0.5)
 
-    def acceptance(self) -> np.ndarray:
+    def acceptance(self, rows: tuple[GenerationStats, ...] = ()) -> np.ndarray:
         """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1), the product of each draft's acceptance
         once the drafts before it were accepted: a draft never reached keeps the prior's one half, so what lies past
-        the observed drafts is worth less and less, never as much as the last observed one."""
-        conditional = np.clip(self.accepted / self.reached, 0.0, 1.0)
-        conditional[0] = 1.0
-        return np.cumprod(conditional)
+        the observed drafts is worth less and less, never as much as the last observed one.
+
+        That is the traffic's; with `rows`, the mean over the rows of each row's own, its drafts' acceptance so far
+        with the traffic's weighing as `row_prior` of its observations: acceptance depends on the request (on the demo
+        pair, HumanEval prompt 2 accepts a first draft ~0.2 of the time where its neighbours accept ~0.5), and a
+        request's own steps tell within a few steps what the traffic's estimate, which follows requests over ~200
+        steps, would tell after the request has ended."""
+        traffic = np.clip(self.accepted / self.reached, 0.0, 1.0)  # [B]: draft j's acceptance, drafts before accepted
+        if rows:
+            reached = np.array([[0, *stats.position_reached_counts] for stats in rows])  # [R, B]
+            accepted = np.array([[0, *stats.position_accept_counts] for stats in rows])  # [R, B]
+            conditional = (self.row_prior * traffic + accepted) / (self.row_prior + reached)  # [R, B]
+        else:
+            conditional = traffic[None].copy()  # [1, B]
+        conditional[:, 0] = 1.0
+        return np.cumprod(conditional, axis=1).mean(axis=0)
 
     def step_cost(self, batch: int, drafts: int) -> float | None:
         """Seconds of a step verifying `drafts` per row and drafting as many for the next one: as measured on steps
@@ -223,15 +239,14 @@ class AdaptiveVerify:
         then = self.costs.estimate(f"plain_when_run{drafts}", batch) if drafts else None
         return 1.0 if not then or now is None else now / then
 
-    def optimistic_acceptance(self, errors: float) -> np.ndarray:
-        """[B]: `acceptance()` with the first draft's acceptance read `errors` standard errors above its mean (its
-        evidence, after decay, is what the standard error counts)."""
-        reached, accepted = self.reached[1], self.accepted[1]
-        first = min(accepted / reached, 1.0)
-        raised = min(first + errors * np.sqrt(first * (1.0 - first) / reached), 1.0)
-        acceptance = self.acceptance()
-        acceptance[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
-        return acceptance
+    def optimistic(self, acceptance: np.ndarray, errors: float) -> np.ndarray:
+        """[B]: `acceptance` (from `acceptance()`) with the first draft's acceptance read `errors` standard errors
+        above its mean (the standard error of the traffic's estimate, whose evidence after decay it counts)."""
+        first = acceptance[1]
+        raised = min(first + errors * np.sqrt(first * (1.0 - first) / self.reached[1]), 1.0)
+        optimistic = acceptance.copy()
+        optimistic[1:] *= raised / first if first > 0 else 1.0  # every later draft is reached through the first
+        return optimistic
 
     def expected_rates(self, batch: int) -> np.ndarray:
         """[B]: expected tokens per second for k = 0 .. B-1 drafts verified per row (nan where a cost is unknown)."""
@@ -254,7 +269,7 @@ class AdaptiveVerify:
         affordable = [(1 + k) / max(c, 1e-9) if c <= self.warmup_cost_limit * costs[0] else 0.0 for k, c in enumerate(costs)]
         return int(np.argmax(affordable))
 
-    def choose(self, batch: int, behind: int = 0) -> int:
+    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = ()) -> int:
         if self.drafted_rows < self.warmup_rows:
             self.chosen = self.warmup_drafts(batch)  # acceptance not measured yet: verify what could pay, and measure
             self._idle_on("decode" if self.chosen == 0 else "verify")  # 0: no draft could pay at this batch
@@ -266,8 +281,9 @@ class AdaptiveVerify:
         if np.isnan(costs).any():
             self.chosen = self.block_size - 1  # a cost not measured yet: verify everything and measure
             return self.chosen
-        best = self._best(_rates(batch, self.acceptance(), costs))
-        ruled_out = best == 0 and self._best(_rates(batch, self.optimistic_acceptance(self.decode_optimism), costs)) == 0
+        acceptance = self.acceptance(rows)
+        best = self._best(_rates(batch, acceptance, costs))
+        ruled_out = best == 0 and self._best(_rates(batch, self.optimistic(acceptance, self.decode_optimism), costs)) == 0
         self._idle_on("decode" if ruled_out else "verify")
         around = [min(best + self.explore_extra, self.block_size - 1), max(best - self.explore_extra, 0)]  # above, below
         if self.looks % 2 == 1:
@@ -276,7 +292,7 @@ class AdaptiveVerify:
         extra = abs(costs[look] - costs[best]) + (self._catch_up_cost(behind, costs[0]) if best == 0 else 0.0)
         spacing = 2 * self.explore_budget * extra  # seconds of steps between looks, at first
         if look != best and self.since_look >= spacing:
-            quiet = self._quiet_looks(batch, best, costs)
+            quiet = self._quiet_looks(batch, best, costs, acceptance)
             if self.since_look >= spacing * 2 ** min(quiet, self.quiet_looks_limit):
                 self.since_look, self.exploring, self.looks, self.looking_at = 0.0, 1, self.looks + 1, look
                 self.quiet_looks[batch] = (best, quiet + 1)
@@ -296,7 +312,7 @@ class AdaptiveVerify:
         measured = self.costs.estimate("catch_up", behind) or self.costs.estimate("verify", behind)
         return 0.0 if measured is None else max(measured - plain_step, 0.0)
 
-    def _quiet_looks(self, batch: int, best: int, costs: np.ndarray) -> int:
+    def _quiet_looks(self, batch: int, best: int, costs: np.ndarray, acceptance: np.ndarray) -> int:
         """Looks made at this batch size since its choice became `best`, which space the next look out; none while
         plain decoding is chosen on thin evidence: if the first draft's acceptance read `look_optimism` standard
         errors higher would switch drafting on, looks stay as frequent as at first. On the demo pair at batch 1
@@ -306,7 +322,7 @@ class AdaptiveVerify:
         chosen, looked = self.quiet_looks.get(batch, (best, 0))
         if chosen != best or looked == 0:
             return 0
-        if best == 0 and self._best(_rates(batch, self.optimistic_acceptance(self.look_optimism), costs)) != 0:
+        if best == 0 and self._best(_rates(batch, self.optimistic(acceptance, self.look_optimism), costs)) != 0:
             return 0
         return looked
 
@@ -555,7 +571,7 @@ class Scheduler:
         if not rows:
             return []
         behind = [s.catch_up_tokens for s in rows]  # per row: drafter context left behind by `decode` steps
-        wanted = self.policy.choose(len(rows), sum(behind))
+        wanted = self.policy.choose(len(rows), sum(behind), tuple(s.stats for s in rows))
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
         emitted: list[tuple[Sequence, list[int]]] = []
         if graph == "step" and any(behind):  # rows behind catch up instead; the others step

@@ -120,13 +120,17 @@ def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: G
 
 @dataclass
 class ScriptedVerify:
-    """Verifies the k of a fixed script, one per step (then 0), running `graph_when_idle` where k = 0."""
+    """Verifies the k of a fixed script, one per step (then 0), running `graph_when_idle` where k = 0 (or, with
+    `idle_script`, the graph it lists for that step)."""
 
     script: list[int]
     graph_when_idle: str
     calls: list[str] = field(default_factory=list)  # the graphs run, catch-ups included
+    idle_script: list[str] = field(default_factory=list)
 
-    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = ()) -> int:
+    def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
+        if self.idle_script:
+            self.graph_when_idle = self.idle_script.pop(0)
         return self.script.pop(0) if self.script else 0
 
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
@@ -153,6 +157,22 @@ def test_plain_stretches_on_decode_catch_the_drafter_up_before_it_drafts(engine:
             assert switch_ons == (3 if idle == "decode" else 0), policy.calls
         assert runs["decode"].stats.acceptance_lengths == runs["verify"].stats.acceptance_lengths
         assert runs["decode"].stats.accepted_draft_tokens > 0
+
+
+def test_verify_steps_after_decode_steps_leave_the_gap_to_the_catch_up(engine: GraphEngine) -> None:
+    """Plain steps that turn from `decode` to `verify` (the policy no longer rules drafting out) while the row's
+    drafter context lags: those steps run `decode` (what `verify` would write there, the catch-up recomputes) and the
+    context still ends where `decode` left it, so the step that drafts catches up first and then accepts exactly
+    what it accepts after `verify` steps throughout. (Before, such a `verify` step marked the context current over the
+    gap, and the drafter read stale rows there.)"""
+    prompt = [5, 17, 33, 2, 71, 8, 40, 12]
+    script = [3, 0, 0, 0, 0, 0, 15, 15, 15]
+    reference = generate(engine, prompt, 40, policy=ScriptedVerify(list(script), "verify"))
+    policy = ScriptedVerify(list(script), "decode", idle_script=["decode"] * 4 + ["verify"] * 2 + ["decode"] * 40)
+    switched = generate(engine, prompt, 40, policy=policy)
+    assert switched.tokens == reference.tokens
+    assert policy.calls[:8] == ["step"] + ["decode"] * 5 + ["catch_up", "step"], policy.calls
+    assert switched.stats.acceptance_lengths == reference.stats.acceptance_lengths
 
 
 def test_a_next_turn_reuses_the_answer_only_as_far_as_the_drafter_context_reaches(engine: GraphEngine) -> None:
@@ -197,6 +217,22 @@ def test_plain_steps_run_decode_only_where_drafting_is_ruled_out() -> None:
         assert policy.choose(1) == 0 and policy.graph_when_idle == ("decode" if can_catch_up else "verify")
         policy.reached[1], policy.accepted[1] = 8.0, 1.6  # 0.2 on thin evidence: plain for now, drafting may pay soon
         assert policy.choose(1) == 0 and policy.graph_when_idle == "verify"
+
+
+def test_drafting_resumes_over_a_catch_up_only_where_the_tokens_left_repay_it() -> None:
+    """Rows 100 tokens behind (after `decode` steps) with drafting now paying 1.65x: switching it on first recomputes
+    those rows (0.3 s here, 14 plain steps beyond the plain step it replaces). With 20 tokens left per row drafting
+    would save ~8 plain steps, less than the catch-up costs: plain decoding goes on; with 500 left it drafts; with no
+    rows behind it drafts whatever is left."""
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0)
+    for k in range(16):
+        policy.costs.record(f"run{k}", 1, 0.020 if k == 0 else 0.024 + 0.001 * k)
+    policy.costs.record("catch_up", 100, 0.300)
+    policy.reached[1:], policy.accepted[1:] = 100.0, 60.0  # 1 + 0.6 + 0.36 ... tokens per step
+    assert policy.choose(1, behind=100, left=20) == 0
+    best = policy.choose(1, behind=100, left=500)
+    assert best > 0
+    assert policy.choose(1, behind=0, left=20) == best
 
 
 def test_adaptive_verify_warms_up_only_where_drafting_could_pay() -> None:

@@ -233,16 +233,22 @@ def run_engine(
 
 
 def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, object]:
-    """tau, draft acceptance rate, per-position acceptance (fraction of steps whose draft slot k was accepted)
-    and the histogram of tokens emitted per step (1..B), pooled over all prompts."""
+    """tau, draft acceptance rate, per-position acceptance (fraction of steps whose draft slot k was accepted), the
+    drafter's conditional acceptance (of the steps that verified slot k with the slots before it accepted, the share
+    that accepted it: what the drafter achieves whatever verify lengths were chosen; listed up to the last slot ever
+    reached) and the histogram of tokens emitted per step (1..B), pooled over all prompts."""
     steps = sum(r.stats.steps for r in runs)
     per_slot = [sum(r.stats.position_accept_counts[k] for r in runs) / max(steps, 1) for k in range(block_size - 1)]
+    reached = [sum(r.stats.position_reached_counts[k] for r in runs) for k in range(block_size - 1)]
+    accepted = [sum(r.stats.position_accept_counts[k] for r in runs) for k in range(block_size - 1)]
+    conditional = [a / n for a, n in zip(accepted, reached, strict=True) if n]  # reached slots are a prefix
     lengths = [n for r in runs for n in r.stats.acceptance_lengths]
     drafted = sum(r.stats.draft_tokens for r in runs)
     return {
         "tau_mean": statistics.mean(r.stats.tau for r in runs),
         "draft_acceptance_rate": sum(r.stats.accepted_draft_tokens for r in runs) / max(drafted, 1),
         "accepted_per_position": per_slot,
+        "conditional_acceptance_per_position": conditional,
         "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],
     }
 

@@ -45,6 +45,8 @@ def test_bench_agrees_with_zlab_and_transformers(tiny_repo: Path, tmp_path: Path
     assert emitted == 3 * 40 - 3  # every token after each prompt's first comes from a step
     assert results["tau_mean"] > 1.5  # the trained tiny drafter gets runs accepted
     assert results["draft_acceptance_rate"] == pytest.approx(sum(p * steps for p in per_position) / (15 * steps))
+    conditional = results["conditional_acceptance_per_position"]  # whole blocks verified: every step reaches slot 1
+    assert conditional[0] == pytest.approx(per_position[0]) and conditional[1] == pytest.approx(per_position[1] / per_position[0])
     assert abs(results["zlab_tau_mean"] - results["tau_mean"]) < 0.05  # the same drafter accepts the same runs
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "dflash_speedup" in capsys.readouterr().out

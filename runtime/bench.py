@@ -238,9 +238,9 @@ def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, obj
     that accepted it: what the drafter achieves whatever verify lengths were chosen; listed up to the last slot ever
     reached) and the histogram of tokens emitted per step (1..B), pooled over all prompts."""
     steps = sum(r.stats.steps for r in runs)
-    per_slot = [sum(r.stats.position_accept_counts[k] for r in runs) / max(steps, 1) for k in range(block_size - 1)]
-    reached = [sum(r.stats.position_reached_counts[k] for r in runs) for k in range(block_size - 1)]
     accepted = [sum(r.stats.position_accept_counts[k] for r in runs) for k in range(block_size - 1)]
+    reached = [sum(r.stats.position_reached_counts[k] for r in runs) for k in range(block_size - 1)]
+    per_slot = [a / max(steps, 1) for a in accepted]
     conditional = [a / n for a, n in zip(accepted, reached, strict=True) if n]  # reached slots are a prefix
     lengths = [n for r in runs for n in r.stats.acceptance_lengths]
     drafted = sum(r.stats.draft_tokens for r in runs)

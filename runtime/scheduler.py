@@ -581,7 +581,8 @@ class Scheduler:
         if not rows:
             return []
         behind = [s.catch_up_tokens for s in rows]  # per row: drafter context left behind by `decode` steps
-        left = sum(s.max_new_tokens - len(s.tokens) for s in rows) / len(rows)  # tokens each row may still make, mean
+        # tokens each row may still make, on average: weighed only against a catch-up's cost (rows behind)
+        left = sum(s.max_new_tokens - len(s.tokens) for s in rows) / len(rows) if any(behind) else np.inf
         wanted = self.policy.choose(len(rows), sum(behind), tuple(s.stats for s in rows), left)
         graph = "step" if wanted > 0 else self.policy.graph_when_idle
         if graph == "verify" and all(behind):

@@ -160,5 +160,7 @@ def test_three_replicas_behind_haproxy_lose_nothing_when_one_is_killed_and_one_d
     log = fleet.stderr.read()  # type: ignore[union-attr]
     assert code == 0, log
     assert re.search(r"replica1 exited \(-9\); started again", log), log
-    assert re.search(r"replica2 lost a Python-backend stub \(pid \d+\); started again", log), log
+    # tritonserver mostly keeps answering ready with the killed stub a zombie, which the fleet must notice; now and
+    # then it aborts instead (seen once in session 42: "replica2 exited (-6)"). Either way replica2 starts again.
+    assert re.search(r"replica2 (lost a Python-backend stub \(pid \d+\)|exited \(-6\)); started again", log), log
     assert _fleet_processes((str(repo),)) == [], "processes of the fleet outlived it"

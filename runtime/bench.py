@@ -246,7 +246,7 @@ def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, obj
     drafted = sum(r.stats.draft_tokens for r in runs)
     return {
         "tau_mean": statistics.mean(r.stats.tau for r in runs),
-        "draft_acceptance_rate": sum(r.stats.accepted_draft_tokens for r in runs) / max(drafted, 1),
+        "draft_acceptance_rate": sum(accepted) / max(drafted, 1),
         "accepted_per_position": per_slot,
         "conditional_acceptance_per_position": conditional,
         "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],

@@ -95,8 +95,9 @@ def test_any_verify_length_keeps_outputs_exact(engine: GraphEngine, drafts: int)
 
 
 def test_adaptive_verify_chooses_plain_decoding_when_drafts_do_not_pay(engine: GraphEngine) -> None:
-    """With drafting made costly and acceptance poor, the policy picks k = 0 (verify graph, no drafting); outputs stay exact."""
-    policy = AdaptiveVerify(engine.block_size, StepCosts(), explore_budget=1e9)
+    """With drafting made costly and acceptance poor, the policy picks k = 0 (verify graph, no drafting); outputs stay
+    exact. (The costs and counts are set by hand between choices: every step decides anew, `hold_steps=0`.)"""
+    policy = AdaptiveVerify(engine.block_size, StepCosts(), explore_budget=1e9, hold_steps=0)
     for tokens in (1, 2, 4, 8, 16, 64):
         policy.costs.record("verify", tokens, 0.01 + 0.0005 * tokens)  # a verify of 16 costs under twice one of 1
     policy.costs.record("draft", 16, 0.001)  # drafting 15 at one row: 16 block slots
@@ -209,13 +210,18 @@ def test_plain_steps_run_decode_only_where_drafting_is_ruled_out() -> None:
     """`verify` keeps the drafter's context for a look that may switch drafting on; `decode` is cheaper where drafting
     would not pay even with the first draft's acceptance read one standard error higher. Engines that cannot catch
     the context up (recurrent states) always run `verify`."""
-    for can_catch_up in (True, False):
+
+    def policy_with(reached: float, accepted: float, can_catch_up: bool) -> AdaptiveVerify:
         policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0, can_catch_up=can_catch_up)
         for k in range(16):
             policy.costs.record(f"run{k}", 1, 0.020 if k == 0 else 0.024 + 0.001 * k)  # break-even: first draft at 0.25
-        policy.reached[1], policy.accepted[1] = 100.0, 5.0  # 0.05 on ample evidence: ruled out
+        policy.reached[1], policy.accepted[1] = reached, accepted
+        return policy
+
+    for can_catch_up in (True, False):
+        policy = policy_with(100.0, 5.0, can_catch_up)  # 0.05 on ample evidence: ruled out
         assert policy.choose(1) == 0 and policy.graph_when_idle == ("decode" if can_catch_up else "verify")
-        policy.reached[1], policy.accepted[1] = 8.0, 1.6  # 0.2 on thin evidence: plain for now, drafting may pay soon
+        policy = policy_with(8.0, 1.6, can_catch_up)  # 0.2 on thin evidence: plain for now, drafting may pay soon
         assert policy.choose(1) == 0 and policy.graph_when_idle == "verify"
 
 
@@ -224,7 +230,7 @@ def test_drafting_resumes_over_a_catch_up_only_where_the_tokens_left_repay_it() 
     those rows (0.3 s here, 14 plain steps beyond the plain step it replaces). With 20 tokens left per row drafting
     would save ~8 plain steps, less than the catch-up costs: plain decoding goes on; with 500 left it drafts; with no
     rows behind it drafts whatever is left."""
-    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0)
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0, hold_steps=0)  # three cases, one policy
     for k in range(16):
         policy.costs.record(f"run{k}", 1, 0.020 if k == 0 else 0.024 + 0.001 * k)
     policy.costs.record("catch_up", 100, 0.300)
@@ -397,7 +403,8 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     assert 1 <= fading <= 3 and spacing[:fading] == [1] * fading
     assert spacing[fading:] == [2, 4, 8] + [16] * (len(gaps) - fading - 3), "doubling, at most 16x"
     assert len(gaps) > 6
-    assert policy.choose(1) == 0
+    assert int(np.argmax(policy.expected_rates(1))) == 0
+    policy.held = None  # the plain choice standing rests on counts the next line changes by hand
     policy.accepted[1:4] = policy.reached[1:4]  # drafts 1-3 now always accepted: drafting pays
     policy.accepted[4:] = 0.0
     best = int(np.argmax(policy.expected_rates(1)))
@@ -408,6 +415,46 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     below, above = costs[best] - costs[best - 2], costs[best + 2] - costs[best]  # looks alternate around k = 3
     assert gaps[0] == pytest.approx(policy.explore_budget * 2 * above * 2, abs=0.05), "the second look: twice the budget"
     assert max(gaps) < 16 * policy.explore_budget * 2 * max(below, above) + 0.1
+
+
+def test_a_plain_decoding_choice_stands_until_something_it_rests_on_changes() -> None:
+    """Plain steps observe no draft, so a plain-decoding choice stands for `hold_steps` steps instead of being worked
+    out anew every step (host time between graph calls): over 3,000 steps where drafts are never accepted, the
+    choices, their idle graphs and the looks are those of a policy deciding every step, with a tenth of the
+    decisions. A step that observes drafts, other rows or another batch size is decided anew at once."""
+    costs = [0.024] + [0.031 + 0.001 * k for k in range(1, 16)]  # seconds of a step verifying k drafts
+
+    def run(hold_steps: int) -> tuple[list[tuple[int, str]], int]:
+        policy = AdaptiveVerify(16, StepCosts(), explore_budget=10.0, warmup_rows=0, hold_steps=hold_steps)
+        for k, seconds in enumerate(costs):
+            policy.costs.record(f"run{k}", 1, seconds)
+        choices, decisions = [], 0
+        for _ in range(3000):
+            decisions += policy.held is None or policy.held.steps == 0
+            k = policy.choose(1)
+            choices.append((k, policy.graph_when_idle))
+            policy.observe("step" if k else policy.graph_when_idle, 1, 1 + k, costs[k], [0], drafted=k)
+        return choices, decisions
+
+    (every_step, decided), (holding, held_decisions) = run(0), run(16)
+    assert holding == every_step
+    assert sum(k > 0 for k, _ in holding) >= 10, "looks came, at the same steps"
+    assert held_decisions < decided / 10
+
+    policy = AdaptiveVerify(16, StepCosts(), explore_budget=1e9, warmup_rows=0)
+    for k, seconds in enumerate(costs):
+        policy.costs.record(f"run{k}", 1, seconds)
+        policy.costs.record(f"run{k}", 2, 1.5 * seconds)
+    policy.reached[1:], policy.accepted[1:] = 100.0, 5.0  # drafts rarely accepted
+    rows = (GenerationStats(16),)
+    assert policy.choose(1, rows=rows) == 0 and policy.held is not None
+    assert policy.choose(1, rows=rows) == 0 and policy.held.steps == policy.hold_steps - 1, "the choice stood"
+    assert policy.choose(2, rows=(*rows, GenerationStats(16))) == 0 and policy.held.steps == policy.hold_steps
+    assert policy.choose(1, rows=(GenerationStats(16),)) == 0 and policy.held.steps == policy.hold_steps, "new rows"
+    for _ in range(40):
+        policy.observe("step", 1, 4, costs[3], [3], drafted=3)  # a look's drafts, every one accepted
+    assert policy.held is None
+    assert policy.choose(1) > 0
 
 
 def test_adaptive_verify_recovers_from_a_low_estimate_on_thin_evidence() -> None:

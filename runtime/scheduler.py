@@ -194,6 +194,7 @@ class AdaptiveVerify:
     graph_when_idle: str = "verify"  # set by `choose`: "decode" where drafting is ruled out (and can_catch_up)
     reached: np.ndarray = field(init=False)  # [B]: steps that verified draft j with drafts 1..j-1 accepted (0 unused)
     accepted: np.ndarray = field(init=False)  # [B]: of those, steps that accepted draft j too
+    unfaded_steps: int = 0  # steps observed whose decay `reached` and `accepted` do not show yet (see _fade)
     since_look: float = 0.0  # seconds of steps since the last exploration
     exploring: int = 0  # steps left of the current exploration
     looking_at: int = 0  # the k the current exploration drafts and then verifies
@@ -227,6 +228,7 @@ class AdaptiveVerify:
         pair, HumanEval prompt 2 accepts a first draft ~0.2 of the time where its neighbours accept ~0.5), and a
         request's own steps tell within a few steps what the traffic's estimate, which follows requests over ~200
         steps, would tell after the request has ended."""
+        self._fade()
         traffic = np.clip(self.accepted / self.reached, 0.0, 1.0)  # [B]: draft j's acceptance, drafts before accepted
         if rows:
             reached = np.array([[0, *stats.position_reached_counts] for stats in rows])  # [R, B]
@@ -270,6 +272,7 @@ class AdaptiveVerify:
     def optimistic(self, acceptance: np.ndarray, errors: float) -> np.ndarray:
         """[B]: `acceptance` (from `acceptance()`) with the first draft's acceptance read `errors` standard errors
         above its mean (the standard error of the traffic's estimate, whose evidence after decay it counts)."""
+        self._fade()
         first = acceptance[1]
         raised = min(first + errors * np.sqrt(first * (1.0 - first) / self.reached[1]), 1.0)
         optimistic = acceptance.copy()
@@ -410,18 +413,29 @@ class AdaptiveVerify:
                 self.costs.record("draft", batch * (1 + drafted), max(seconds - verify, 0.0))
 
     def _learn_acceptance(self, width: int, accept_lens: list[int]) -> None:
-        """Count what a step verified and accepted. Old observations decay, but never below `evidence_floor` per
-        position: a long run of plain steps keeps what was learned before it, and one lucky look then weighs one in
-        nine, not all there is."""
-        fading = np.maximum(self.decay, np.minimum(self.evidence_floor / self.reached, 1.0))  # [B]
-        self.reached *= fading
-        self.accepted *= fading
+        """Count what a step verified and accepted. Old observations decay by `decay` a step, but never below
+        `evidence_floor` per position: a long run of plain steps keeps what was learned before it, and one lucky look
+        then weighs one in nine, not all there is. A plain step only counts towards the decay (`_fade` applies it
+        when the counts are next read)."""
+        self.unfaded_steps += 1
         if width == 1:
             return  # a plain step verified no draft
+        self._fade()
         self.drafted_rows += len(accept_lens)
         for accept_len in accept_lens:
             self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
             self.accepted[1 : accept_len + 1] += 1
+
+    def _fade(self) -> None:
+        """Decay the counts by the `unfaded_steps` steps observed since they were last faded: per position, what as
+        many steps of decay by `decay` leave, down to `evidence_floor` (counts at or under it stay)."""
+        if not self.unfaded_steps:
+            return
+        floor_share = self.evidence_floor / self.reached  # [B]
+        fading = np.where(floor_share < 1.0, np.maximum(self.decay**self.unfaded_steps, floor_share), 1.0)  # [B]
+        self.reached *= fading
+        self.accepted *= fading
+        self.unfaded_steps = 0
 
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
         """Time, on free slots with throw-away rows at `context` positions (at most half the engine's length): at

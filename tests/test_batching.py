@@ -417,6 +417,24 @@ def test_adaptive_verify_looks_less_often_while_looks_change_nothing() -> None:
     assert max(gaps) < 16 * policy.explore_budget * 2 * max(below, above) + 0.1
 
 
+def test_plain_steps_decay_the_acceptance_counts_as_if_step_by_step() -> None:
+    """Plain steps only count towards the decay, applied when the counts are next read: the same counts as decaying
+    them by `decay` every step, never below `evidence_floor` (counts under it unchanged)."""
+    policy = AdaptiveVerify(16, StepCosts())
+    policy.observe("step", 4, 16, 0.1, [15, 7, 2, 0], drafted=15)
+    policy.reached[1:4] += np.array([300.0, 40.0, 9.0])  # well above, near and just above the floor
+    policy.accepted[1:4] += np.array([100.0, 20.0, 3.0])
+    reached, accepted = policy.reached.copy(), policy.accepted.copy()
+    for _ in range(250):
+        policy.observe("decode", 4, 1, 0.05, [0] * 4)
+        fading = np.maximum(policy.decay, np.minimum(policy.evidence_floor / reached, 1.0))
+        reached, accepted = reached * fading, accepted * fading
+    policy.acceptance()
+    np.testing.assert_allclose(policy.reached, reached, rtol=1e-9)
+    np.testing.assert_allclose(policy.accepted, accepted, rtol=1e-9)
+    assert policy.reached[1] > policy.evidence_floor and policy.reached[3] == policy.evidence_floor
+
+
 def test_a_plain_decoding_choice_stands_until_something_it_rests_on_changes() -> None:
     """Plain steps observe no draft, so a plain-decoding choice stands for `hold_steps` steps instead of being worked
     out anew every step (host time between graph calls): over 3,000 steps where drafts are never accepted, the

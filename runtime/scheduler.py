@@ -387,7 +387,6 @@ class AdaptiveVerify:
     def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
         self.since_look += seconds
         if graph == "catch_up":  # recomputed rows, by the tokens recomputed (a new shape nearly every time)
-            self.held = None
             self.costs.record("catch_up", batch * width, seconds)
             return
         self._learn_acceptance(width, accept_lens)

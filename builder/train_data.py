@@ -6,6 +6,8 @@
   `limit_denominator` of a class `Fraction`"): more code tasks of the same kind, none of them in "code".
 - "code-puzzles": small self-written programming puzzles in HumanEval's shape (a stub whose docstring states the
   task and shows `>>>` examples), each also as a one-line instruction: see train_puzzles.
+- "code-puzzles-2": more puzzles of that kind in other shapes (lists of strings, a list with a limit, lists of
+  floats, dictionaries, sorting by a key, more rules over numbers and characters), none of them in "code-puzzles".
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.train_puzzles import all_puzzles
+from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, more_puzzles
 from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
@@ -167,10 +169,16 @@ def code_method_prompts() -> list[str]:
     return prompts
 
 
-def puzzle_prompts() -> list[str]:
-    """Deterministic list: every puzzle's stub as a code task, then every puzzle as an instruction (grammar order)."""
-    puzzles = all_puzzles()
+def puzzle_prompts(puzzles: list[Puzzle] | None = None) -> list[str]:
+    """Deterministic list: every puzzle's stub as a code task, then every puzzle as an instruction (grammar order);
+    the "code-puzzles" set's puzzles by default."""
+    puzzles = all_puzzles() if puzzles is None else puzzles
     return [CODE_TASK.format(stub=puzzle.stub().strip()) for puzzle in puzzles] + [puzzle.instruction() for puzzle in puzzles]
+
+
+def more_puzzle_prompts() -> list[str]:
+    """The "code-puzzles-2" set's prompts, as puzzle_prompts makes them."""
+    return puzzle_prompts(more_puzzles())
 
 
 def prose_prompts() -> list[str]:
@@ -179,7 +187,8 @@ def prose_prompts() -> list[str]:
 
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
-    "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts, "prose": prose_prompts,
+    "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts,
+    "code-puzzles-2": more_puzzle_prompts, "prose": prose_prompts,
 }  # fmt: skip
 
 

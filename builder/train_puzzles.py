@@ -32,7 +32,7 @@ class Puzzle:
 
     def stub(self) -> str:
         """`def name(signature):` with the task wrapped at 76 columns and the examples, typing imports first."""
-        names = [n for n in ("List", "Optional") if f"{n}[" in self.signature]
+        names = [n for n in ("Dict", "List", "Optional", "Tuple") if f"{n}[" in self.signature]
         header = f"from typing import {', '.join(names)}\n\n\n" if names else ""
         task = textwrap.fill(self.task, 76, initial_indent="    ", subsequent_indent="    ").lstrip()
         lines = [f"def {self.name}{self.signature}:", f'    """ {task}']
@@ -269,3 +269,197 @@ def _single_rule_puzzles() -> list[Puzzle]:
 
 def all_puzzles() -> list[Puzzle]:
     return _number_puzzles() + _text_puzzles() + _word_puzzles() + _single_rule_puzzles()
+
+
+# The "code-puzzles-2" set: other shapes of the same kind of puzzle (lists of strings, a list with a limit, lists of
+# floats, dictionaries, sorting by a key, more rules over numbers and characters), none of them in all_puzzles.
+
+# (name part, plural noun, "is ..." phrase, test) over strings
+STRING_KINDS: tuple[tuple[str, str, str, StrTest], ...] = (
+    ("empty", "empty strings", "empty", lambda w: w == ""),
+    ("long", "strings longer than three characters", "longer than three characters", lambda w: len(w) > 3),
+    ("numeric", "strings made only of digits", "made only of digits", str.isdigit),
+    ("shouted", "strings written in uppercase", "written in uppercase", str.isupper),
+    ("a_initial", "strings that start with 'a'", "a string that starts with 'a'", lambda w: w.startswith("a")),
+    ("spaced", "strings that contain a space", "a string that contains a space", lambda w: " " in w),
+)
+STRING_LISTS: tuple[list[str], ...] = (["apple", "", "42", "ZIP", "a b", "kiwi", "007"], ["avocado", "Fig", "", "TEA"], [])
+
+
+# (name, return type, task; {part}, {plural}, {phrase} filled from STRING_KINDS, rule(strings, test))
+STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]], ...] = (
+    ("count_{part}_strings", "int", "Return how many strings of the list are {phrase}.", lambda w, t: sum(map(t, w))),
+    ("keep_{part}_strings", "List[str]", "Return the {plural} of the list, in their original order.",
+     lambda w, t: [x for x in w if t(x)]),
+    ("drop_{part}_strings", "List[str]", "Return the list without its {plural}, keeping the order of the others.",
+     lambda w, t: [x for x in w if not t(x)]),
+    ("join_{part}_strings", "str", "Return the {plural} of the list joined by commas, in their original order.",
+     lambda w, t: ",".join(x for x in w if t(x))),
+    ("first_{part}_string", "Optional[str]", "Return the first string of the list that is {phrase}, or None if "
+     "there is none.", lambda w, t: next((x for x in w if t(x)), None)),
+    ("length_of_{part}_strings", "int", "Return the total number of characters in the {plural} of the list.",
+     lambda w, t: sum(len(x) for x in w if t(x))),
+    ("mark_{part}_strings", "List[bool]", "Return, for each string of the list, True if it is {phrase} and False "
+     "otherwise.", lambda w, t: [t(x) for x in w]),
+)  # fmt: skip
+
+
+def _string_list_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, plural, phrase, test in STRING_KINDS:
+        words = {"part": part, "plural": plural, "phrase": phrase}
+        for name, returns, task, rule in STRING_RULES:
+            examples = tuple((strings,) for strings in STRING_LISTS)
+            signature = f"(strings: List[str]) -> {returns}"
+            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
+    return puzzles
+
+
+# More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
+MORE_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("double_the_{part}", "List[int]", "Return the list with each of its {plural} doubled and the other numbers "
+     "unchanged.", lambda n, t: [2 * x if t(x) else x for x in n]),
+    ("zero_out_{part}", "List[int]", "Return the list with each of its {plural} replaced by 0.",
+     lambda n, t: [0 if t(x) else x for x in n]),
+    ("last_{part}_index", "int", "Return the index of the last number in the list that is {phrase}, or -1 if "
+     "there is none.", lambda n, t: max((i for i, x in enumerate(n) if t(x)), default=-1)),
+    ("sorted_{part}", "List[int]", "Return the {plural} of the list sorted from smallest to largest.",
+     lambda n, t: sorted(x for x in n if t(x))),
+    ("average_of_{part}", "Optional[float]", "Return the average of the {plural} in the list, or None if there is "
+     "none.", lambda n, t: (lambda kept: sum(kept) / len(kept) if kept else None)([x for x in n if t(x)])),
+    ("split_by_{part}", "Tuple[List[int], List[int]]", "Return two lists: the {plural} of the list and the other "
+     "numbers, each in their original order.", lambda n, t: ([x for x in n if t(x)], [x for x in n if not t(x)])),
+)  # fmt: skip
+
+
+def _more_number_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, plural, phrase, test in NUMBER_KINDS:
+        words = {"part": part, "plural": plural, "phrase": phrase}
+        for name, returns, task, rule in MORE_NUMBER_RULES:
+            shown = NUMBER_LISTS if "List" in returns else NUMBER_LISTS[:2]
+            examples = tuple((numbers,) for numbers in shown)
+            signature = f"(numbers: List[int]) -> {returns}"
+            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
+    return puzzles
+
+
+def _longest_run(text: str, test: StrTest) -> int:
+    best = run = 0
+    for character in text:
+        run = run + 1 if test(character) else 0
+        best = max(best, run)
+    return best
+
+
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+MORE_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("last_{part}", "int", "Return the index of the last character of the text that is {one}, or -1 if there is "
+     "none.", lambda s, t: max((i for i, c in enumerate(s) if t(c)), default=-1)),
+    ("double_{part}s", "str", "Return the text with each character that is {one} written twice.",
+     lambda s, t: "".join(c * 2 if t(c) else c for c in s)),
+    ("longest_{part}_run", "int", "Return the length of the longest stretch of consecutive characters of the text "
+     "that are {plural}.", _longest_run),
+)  # fmt: skip
+
+
+def _more_text_puzzles() -> list[Puzzle]:
+    puzzles = []
+    for part, one, plural, test in CHARACTER_CLASSES:
+        words = {"part": part, "one": one, "plural": plural}
+        for name, returns, task, rule in MORE_TEXT_RULES:
+            examples = tuple((text,) for text in TEXTS)
+            signature = f"(text: str) -> {returns}"
+            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
+    return puzzles
+
+
+LIMIT_RULES: tuple[tuple[str, str, str, Callable[[list[int], int], object]], ...] = (
+    ("count_above_limit", "int", "Return how many numbers in the list are greater than limit.",
+     lambda n, k: sum(x > k for x in n)),
+    ("keep_below_limit", "List[int]", "Return the numbers of the list that are smaller than limit, in their "
+     "original order.", lambda n, k: [x for x in n if x < k]),
+    ("clip_to_limit", "List[int]", "Return the list with every number greater than limit replaced by limit.",
+     lambda n, k: [min(x, k) for x in n]),
+    ("sum_above_limit", "int", "Return the sum of the numbers in the list that are greater than limit.",
+     lambda n, k: sum(x for x in n if x > k)),
+    ("first_index_over_limit", "int", "Return the index of the first number in the list that is greater than "
+     "limit, or -1 if there is none.", lambda n, k: next((i for i, x in enumerate(n) if x > k), -1)),
+    ("two_sum_to_limit", "bool", "Return True if two numbers at different positions of the list add up to limit, "
+     "and False otherwise.", lambda n, k: any(n[i] + n[j] == k for i in range(len(n)) for j in range(i + 1, len(n)))),
+    ("shift_by_limit", "List[int]", "Return the list with limit added to every number.", lambda n, k: [x + k for x in n]),
+    ("multiples_of_limit", "List[int]", "Return the numbers of the list that are multiples of limit (limit is "
+     "positive), in their original order.", lambda n, k: [x for x in n if x % k == 0]),
+    ("closest_to_limit", "Optional[int]", "Return the number of the list closest to limit (the first one if there "
+     "is a tie), or None if the list is empty.", lambda n, k: min(n, key=lambda x: abs(x - k), default=None)),
+    ("chunks_of_limit", "List[List[int]]", "Split the list into pieces of limit numbers each (the last piece may "
+     "be shorter) and return the pieces in order.", lambda n, k: [n[i : i + k] for i in range(0, len(n), k)]),
+)  # fmt: skip
+FLOAT_RULES: tuple[tuple[str, str, str, Callable[[list[float]], object]], ...] = (
+    ("average_value", "float", "Return the average of the values (the list is not empty).", lambda v: sum(v) / len(v)),
+    ("value_spread", "float", "Return the largest value minus the smallest one (the list is not empty).",
+     lambda v: max(v) - min(v)),
+    ("rounded_values", "List[float]", "Return the values rounded to one decimal place.",
+     lambda v: [round(x, 1) for x in v]),
+    ("running_totals", "List[float]", "Return the running totals of the values: the sum of the first one, the "
+     "first two, and so on.", lambda v: [sum(v[: i + 1]) for i in range(len(v))]),
+    ("neighbour_steps", "List[float]", "Return the difference between each value and the one before it.",
+     lambda v: [b - a for a, b in zip(v, v[1:], strict=False)]),
+    ("above_average_count", "int", "Return how many values are greater than the average of the values (the list is "
+     "not empty).", lambda v: sum(x > sum(v) / len(v) for x in v)),
+    ("whole_parts", "List[int]", "Return the whole part of each value (the value rounded towards zero).",
+     lambda v: [int(x) for x in v]),
+    ("halved_values", "List[float]", "Return each value divided by two.", lambda v: [x / 2 for x in v]),
+)  # fmt: skip
+DICT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("letter_tally", "Dict[str, int]", "Return a dictionary mapping each letter of the text to how many times it "
+     "occurs (case-sensitive; other characters are ignored).",
+     lambda s: {c: s.count(c) for c in dict.fromkeys(s) if c.isalpha()}),
+    ("word_lengths", "Dict[str, int]", "The text is made of words separated by single spaces. Return a dictionary "
+     "mapping each word to its length.", lambda s: {w: len(w) for w in s.split()}),
+    ("words_by_initial", "Dict[str, List[str]]", "The text is made of words separated by single spaces. Return a "
+     "dictionary mapping each first letter to the words that start with it, in order.",
+     lambda s: {c: [w for w in s.split() if w[0] == c] for c in dict.fromkeys(w[0] for w in s.split())}),
+    ("word_positions", "Dict[str, int]", "The text is made of words separated by single spaces. Return a "
+     "dictionary mapping each word to the index of its first occurrence among the words.",
+     lambda s: {w: s.split().index(w) for w in s.split()}),
+    ("most_common_letter", "str", "Return the letter that occurs most often in the text (the one that occurs first "
+     "if there is a tie), or an empty string if the text has no letter.",
+     lambda s: max((c for c in dict.fromkeys(s) if c.isalpha()), key=s.count, default="")),
+)  # fmt: skip
+SORT_RULES: tuple[tuple[str, str, str, Callable[[list[Any]], object]], ...] = (
+    ("order_by_length", "List[str]", "Return the words sorted from shortest to longest (words of the same length "
+     "keep their order).", lambda w: sorted(w, key=len)),
+    ("order_by_last_letter", "List[str]", "Return the words sorted by their last letter (the words are not empty; "
+     "ties keep their order).", lambda w: sorted(w, key=lambda x: x[-1])),
+    ("order_by_digit_sum", "List[int]", "Return the numbers sorted by the sum of the decimal digits of their "
+     "absolute value, ties keeping their order.", lambda n: sorted(n, key=lambda x: sum(_digits(abs(x))))),
+    ("order_by_distance_from_zero", "List[int]", "Return the numbers sorted by their absolute value, ties keeping "
+     "their order.", lambda n: sorted(n, key=abs)),
+    ("order_descending", "List[int]", "Return the numbers sorted from largest to smallest.",
+     lambda n: sorted(n, reverse=True)),
+    ("order_ignoring_case", "List[str]", "Return the words in alphabetical order, ignoring upper and lower case.",
+     lambda w: sorted(w, key=str.lower)),
+)  # fmt: skip
+
+
+def _more_single_rule_puzzles() -> list[Puzzle]:
+    limit_examples = (([4, 11, -3, 8, 15], 8), ([2, 6, 9], 3))
+    float_examples = (([1.5, 2.25, 4.0, 0.75],), ([-2.5, 3.5],))
+    dict_examples = (("banana bread",), ("to be or not",))
+    sort_examples = {"str": ((["pear", "Fig", "banana", "kiwi"],), (["b", "Ab", "a"],)),
+                     "int": (([31, 4, -12, 102, 7],), ([5, 50, 14],))}  # fmt: skip
+    signature = "(numbers: List[int], limit: int) -> {}"
+    puzzles = [Puzzle(name, signature.format(ret), task, solve, limit_examples) for name, ret, task, solve in LIMIT_RULES]
+    puzzles += [Puzzle(n, f"(values: List[float]) -> {r}", t, solve, float_examples) for n, r, t, solve in FLOAT_RULES]
+    puzzles += [Puzzle(name, f"(text: str) -> {ret}", task, solve, dict_examples) for name, ret, task, solve in DICT_RULES]
+    for name, returns, task, solve in SORT_RULES:
+        kind = returns[5:-1]  # "str" | "int"
+        parameter = "words: List[str]" if kind == "str" else "numbers: List[int]"
+        puzzles.append(Puzzle(name, f"({parameter}) -> {returns}", task, solve, sort_examples[kind]))
+    return puzzles
+
+
+def more_puzzles() -> list[Puzzle]:
+    """The "code-puzzles-2" set: other shapes than all_puzzles', in grammar order."""
+    return _string_list_puzzles() + _more_number_puzzles() + _more_text_puzzles() + _more_single_rule_puzzles()

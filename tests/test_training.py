@@ -174,10 +174,17 @@ def test_corpus_windows_draw_from_every_text_within_the_budget(tiny_targets: dic
     assert corpus_windows(tokenizer, texts, 64, 10_000) == []
 
 
-def test_auto_compute_dtype_avoids_bfloat16_without_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bfloat16 matmuls on an AVX2-only CPU take ~75x as long as float32 ones: 'auto' trains in float32 there."""
-    for capability, expected in (("AVX2", torch.float32), ("AVX512", torch.bfloat16), ("DEFAULT", torch.float32)):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+def test_auto_compute_dtype_avoids_bfloat16_without_bfloat16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 matmuls take ~75x as long as float32 ones on an AVX2-only CPU and ~4x on an AVX-512 one without its
+    BF16 extension (Intel Ice Lake): 'auto' trains in bfloat16 only where AVX-512 BF16 or AMX is there."""
+    for avx512_bf16, amx, expected in (
+        (False, False, torch.float32),
+        (True, False, torch.bfloat16),
+        (False, True, torch.bfloat16),
+    ):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda a=avx512_bf16: a, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda a=amx: a, raising=False)
         assert train_cli.compute_dtype("auto") is expected
     assert train_cli.compute_dtype("bfloat16") is torch.bfloat16 and train_cli.compute_dtype("float32") is torch.float32
 

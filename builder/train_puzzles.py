@@ -51,6 +51,29 @@ def _with_test(rule: Callable[[Any, Any], object], test: Callable[[Any], bool]) 
     return lambda value: rule(value, test)
 
 
+Rule = tuple[str, str, str, Callable[[Any, Any], object]]  # (name, return type, task, rule(value, test))
+
+
+def _kinds_by_rules(
+    kinds: list[tuple[dict[str, str], Callable[[Any], bool]]],
+    rules: tuple[Rule, ...],
+    parameter: str,
+    shown: Callable[[str], tuple[object, ...]],
+    preamble: str = "",
+) -> list[Puzzle]:
+    """Every rule over every kind (kind-major): name and task filled from the kind's words, one `>>>` example per
+    value that `shown` gives for the rule's return type, the task after `preamble`."""
+    puzzles = []
+    for words, test in kinds:
+        for name, returns, task, rule in rules:
+            examples = tuple((value,) for value in shown(returns))
+            signature = f"({parameter}) -> {returns}"
+            puzzles.append(
+                Puzzle(name.format(**words), signature, preamble + task.format(**words), _with_test(rule, test), examples)
+            )
+    return puzzles
+
+
 def _is_prime(n: int) -> bool:
     return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
@@ -95,17 +118,14 @@ NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]]
 )  # fmt: skip
 
 
-def _number_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, plural, phrase, test in NUMBER_KINDS:
-        for name, returns, task, rule in NUMBER_RULES:
-            shown = NUMBER_LISTS if "List" in returns else NUMBER_LISTS[:2]  # the empty list where the answer is a list
-            words = {"part": part, "plural": plural, "phrase": phrase}
-            solve = _with_test(rule, test)
-            examples = tuple((numbers,) for numbers in shown)
-            signature = f"(numbers: List[int]) -> {returns}"
-            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), solve, examples))
-    return puzzles
+def _number_puzzles(rules: tuple[Rule, ...] = NUMBER_RULES) -> list[Puzzle]:
+    kinds = [({"part": part, "plural": plural, "phrase": phrase}, test) for part, plural, phrase, test in NUMBER_KINDS]
+    return _kinds_by_rules(kinds, rules, "numbers: List[int]", _number_lists_shown)
+
+
+def _number_lists_shown(returns: str) -> tuple[list[int], ...]:
+    """The empty list only where the answer is a list."""
+    return NUMBER_LISTS if "List" in returns else NUMBER_LISTS[:2]
 
 
 # (name part, noun for one, plural noun, test)
@@ -139,15 +159,9 @@ TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] =
 )  # fmt: skip
 
 
-def _text_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, one, plural, test in CHARACTER_CLASSES:
-        words = {"part": part, "one": one, "plural": plural}
-        for name, returns, task, rule in TEXT_RULES:
-            solve = _with_test(rule, test)
-            examples = tuple((text,) for text in TEXTS)
-            puzzles.append(Puzzle(name.format(**words), f"(text: str) -> {returns}", task.format(**words), solve, examples))
-    return puzzles
+def _text_puzzles(rules: tuple[Rule, ...] = TEXT_RULES) -> list[Puzzle]:
+    kinds = [({"part": part, "one": one, "plural": plural}, test) for part, one, plural, test in CHARACTER_CLASSES]
+    return _kinds_by_rules(kinds, rules, "text: str", lambda returns: TEXTS)
 
 
 # (name part, description, test)
@@ -179,15 +193,8 @@ WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] =
 
 
 def _word_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, description, test in WORD_KINDS:
-        words = {"part": part, "description": description}
-        for name, returns, task, rule in WORD_RULES:
-            solve = _with_test(rule, test)
-            examples = tuple((sentence,) for sentence in SENTENCES)
-            signature = f"(sentence: str) -> {returns}"
-            puzzles.append(Puzzle(name.format(**words), signature, SENTENCE_IS + task.format(**words), solve, examples))
-    return puzzles
+    kinds = [({"part": part, "description": description}, test) for part, description, test in WORD_KINDS]
+    return _kinds_by_rules(kinds, WORD_RULES, "sentence: str", lambda returns: SENTENCES, SENTENCE_IS)
 
 
 def _collatz_steps(n: int) -> int:
@@ -305,14 +312,8 @@ STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]]
 
 
 def _string_list_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, plural, phrase, test in STRING_KINDS:
-        words = {"part": part, "plural": plural, "phrase": phrase}
-        for name, returns, task, rule in STRING_RULES:
-            examples = tuple((strings,) for strings in STRING_LISTS)
-            signature = f"(strings: List[str]) -> {returns}"
-            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
-    return puzzles
+    kinds = [({"part": part, "plural": plural, "phrase": phrase}, test) for part, plural, phrase, test in STRING_KINDS]
+    return _kinds_by_rules(kinds, STRING_RULES, "strings: List[str]", lambda returns: STRING_LISTS)
 
 
 # More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
@@ -332,18 +333,6 @@ MORE_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], obj
 )  # fmt: skip
 
 
-def _more_number_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, plural, phrase, test in NUMBER_KINDS:
-        words = {"part": part, "plural": plural, "phrase": phrase}
-        for name, returns, task, rule in MORE_NUMBER_RULES:
-            shown = NUMBER_LISTS if "List" in returns else NUMBER_LISTS[:2]
-            examples = tuple((numbers,) for numbers in shown)
-            signature = f"(numbers: List[int]) -> {returns}"
-            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
-    return puzzles
-
-
 def _longest_run(text: str, test: StrTest) -> int:
     best = run = 0
     for character in text:
@@ -361,17 +350,6 @@ MORE_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], .
     ("longest_{part}_run", "int", "Return the length of the longest stretch of consecutive characters of the text "
      "that are {plural}.", _longest_run),
 )  # fmt: skip
-
-
-def _more_text_puzzles() -> list[Puzzle]:
-    puzzles = []
-    for part, one, plural, test in CHARACTER_CLASSES:
-        words = {"part": part, "one": one, "plural": plural}
-        for name, returns, task, rule in MORE_TEXT_RULES:
-            examples = tuple((text,) for text in TEXTS)
-            signature = f"(text: str) -> {returns}"
-            puzzles.append(Puzzle(name.format(**words), signature, task.format(**words), _with_test(rule, test), examples))
-    return puzzles
 
 
 LIMIT_RULES: tuple[tuple[str, str, str, Callable[[list[int], int], object]], ...] = (
@@ -462,4 +440,6 @@ def _more_single_rule_puzzles() -> list[Puzzle]:
 
 def more_puzzles() -> list[Puzzle]:
     """The "code-puzzles-2" set: other shapes than all_puzzles', in grammar order."""
-    return _string_list_puzzles() + _more_number_puzzles() + _more_text_puzzles() + _more_single_rule_puzzles()
+    return (
+        _string_list_puzzles() + _number_puzzles(MORE_NUMBER_RULES) + _text_puzzles(MORE_TEXT_RULES) + _more_single_rule_puzzles()
+    )

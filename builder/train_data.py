@@ -8,6 +8,8 @@
   task and shows `>>>` examples), each also as a one-line instruction: see train_puzzles.
 - "code-puzzles-2": more puzzles of that kind in other shapes (lists of strings, a list with a limit, lists of
   floats, dictionaries, sorting by a key, more rules over numbers and characters), none of them in "code-puzzles".
+- "code-puzzles-3": more again (two texts, two numbers, a number as text, a grid of numbers, whole-text rewrites,
+  more rules over the kinds of numbers, strings and characters), none of them in the two sets before.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -27,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, more_puzzles
+from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, more_puzzles, third_puzzles
 from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
@@ -181,6 +183,11 @@ def more_puzzle_prompts() -> list[str]:
     return puzzle_prompts(more_puzzles())
 
 
+def third_puzzle_prompts() -> list[str]:
+    """The "code-puzzles-3" set's prompts, as puzzle_prompts makes them."""
+    return puzzle_prompts(third_puzzles())
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
@@ -188,7 +195,7 @@ def prose_prompts() -> list[str]:
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
     "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts,
-    "code-puzzles-2": more_puzzle_prompts, "prose": prose_prompts,
+    "code-puzzles-2": more_puzzle_prompts, "code-puzzles-3": third_puzzle_prompts, "prose": prose_prompts,
 }  # fmt: skip
 
 

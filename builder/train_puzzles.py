@@ -12,12 +12,15 @@ task (the benchmark's wording) and a one-line instruction.
 from __future__ import annotations
 
 import math
+import os
+import re
 import string
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 IntTest = Callable[[int], bool]
 StrTest = Callable[[str], bool]
 
@@ -333,10 +336,11 @@ MORE_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], obj
 )  # fmt: skip
 
 
-def _longest_run(text: str, test: StrTest) -> int:
+def _longest_run(items: Iterable[T], test: Callable[[T], bool]) -> int:
+    """The length of the longest stretch of consecutive items that pass `test`."""
     best = run = 0
-    for character in text:
-        run = run + 1 if test(character) else 0
+    for item in items:
+        run = run + 1 if test(item) else 0
         best = max(best, run)
     return best
 
@@ -443,3 +447,185 @@ def more_puzzles() -> list[Puzzle]:
     return (
         _string_list_puzzles() + _number_puzzles(MORE_NUMBER_RULES) + _text_puzzles(MORE_TEXT_RULES) + _more_single_rule_puzzles()
     )
+
+
+# The "code-puzzles-3" set: more shapes again (two texts, two numbers, a number as text, a grid of numbers, whole-text
+# rewrites) and more rules over the kinds of numbers, strings and characters, none of them in the two sets above.
+
+# More rules over STRING_KINDS (name, return type, task, rule(strings, test))
+THIRD_STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]], ...] = (
+    ("last_{part}_string", "Optional[str]", "Return the last string of the list that is {phrase}, or None if there "
+     "is none.", lambda w, t: next((x for x in reversed(w) if t(x)), None)),
+    ("upper_{part}_strings", "List[str]", "Return the list with each string that is {phrase} in uppercase.",
+     lambda w, t: [x.upper() if t(x) else x for x in w]),
+    ("{part}_string_indices", "List[int]", "Return the index of each string of the list that is {phrase}.",
+     lambda w, t: [i for i, x in enumerate(w) if t(x)]),
+    ("every_string_{part}", "bool", "Return True if every string of the list is {phrase} (True for an empty list), "
+     "and False otherwise.", lambda w, t: all(map(t, w))),
+)  # fmt: skip
+# More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
+THIRD_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("indices_of_{part}", "List[int]", "Return the indices of the numbers in the list that are {phrase}.",
+     lambda n, t: [i for i, x in enumerate(n) if t(x)]),
+    ("negate_{part}", "List[int]", "Return the list with the sign of each of its {plural} flipped.",
+     lambda n, t: [-x if t(x) else x for x in n]),
+    ("{part}_to_front", "List[int]", "Return the list with its {plural} moved to the front, both groups keeping "
+     "their original order.", lambda n, t: [x for x in n if t(x)] + [x for x in n if not t(x)]),
+    ("longest_{part}_streak", "int", "Return the length of the longest stretch of consecutive numbers in the list "
+     "that are all {phrase}.", _longest_run),
+)  # fmt: skip
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+THIRD_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("upper_{part}s", "str", "Return the text with each character that is {one} in uppercase.",
+     lambda s, t: "".join(c.upper() if t(c) else c for c in s)),
+    ("{part}_share", "float", "Return the fraction of the characters of the text that are {plural} (0.0 for an "
+     "empty text).", lambda s, t: sum(map(t, s)) / len(s) if s else 0.0),
+    ("split_at_{part}s", "List[str]", "Split the text at each character that is {one} (which is left out) and "
+     "return the pieces in order, empty ones included.", lambda s, t: _split_where(s, t)),
+)  # fmt: skip
+
+
+def _split_where(text: str, test: StrTest) -> list[str]:
+    pieces = [""]
+    for character in text:
+        if test(character):
+            pieces.append("")
+        else:
+            pieces[-1] += character
+    return pieces
+
+
+TWO_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, str], object]], ...] = (
+    ("letters_in_both", "str", "Return the characters that occur in both texts, each once, in the order of their "
+     "first occurrence in the first text.", lambda a, b: "".join(c for c in dict.fromkeys(a) if c in b)),
+    ("are_anagrams", "bool", "Return True if the second text is made of exactly the characters of the first one, "
+     "each as many times, and False otherwise.", lambda a, b: sorted(a) == sorted(b)),
+    ("is_rotation_of", "bool", "Return True if the second text is the first one with some of its characters moved "
+     "from its front to its end, and False otherwise.", lambda a, b: len(a) == len(b) and b in a + a),
+    ("shared_prefix", "str", "Return the longest text that both texts start with.",
+     lambda a, b: os.path.commonprefix([a, b])),
+    ("differing_positions", "int", "Return at how many positions, up to the end of the shorter text, the two texts "
+     "have different characters.", lambda a, b: sum(x != y for x, y in zip(a, b, strict=False))),
+    ("interleave_texts", "str", "Return the characters of the two texts taken in turn, one from each, starting with "
+     "the first text; what is left of the longer text comes at the end.",
+     lambda a, b: "".join(x + y for x, y in zip(a, b, strict=False)) + a[len(b) :] + b[len(a) :]),
+    ("drop_letters_of", "str", "Return the first text without the characters that occur in the second one.",
+     lambda a, b: "".join(c for c in a if c not in b)),
+    ("ends_with_other", "bool", "Return True if the first text ends with the second one, ignoring upper and lower "
+     "case, and False otherwise.", lambda a, b: a.lower().endswith(b.lower())),
+    ("longer_text", "str", "Return the longer of the two texts (the first one if they are equally long).",
+     lambda a, b: b if len(b) > len(a) else a),
+)  # fmt: skip
+TWO_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[int, int], object]], ...] = (
+    ("common_divisor_count", "int", "Return how many positive numbers divide both a and b.",
+     lambda a, b: sum(a % d == 0 and b % d == 0 for d in range(1, min(a, b) + 1))),
+    ("least_common_multiple", "int", "Return the smallest positive number that both a and b divide.", math.lcm),
+    ("sum_from_a_to_b", "int", "Return the sum of the whole numbers from a to b, both included (0 if a is greater "
+     "than b).", lambda a, b: sum(range(a, b + 1))),
+    ("multiples_up_to", "int", "Return how many of the numbers 1, 2, ..., a are multiples of b.", lambda a, b: a // b),
+    ("divide_rounding_up", "int", "Return a divided by b, rounded up to a whole number.", lambda a, b: -(-a // b)),
+    ("same_last_digit", "bool", "Return True if a and b end in the same decimal digit, and False otherwise.",
+     lambda a, b: a % 10 == b % 10),
+    ("larger_digit_sum", "int", "Return whichever of a and b has the larger sum of decimal digits (a if the sums "
+     "are equal).", lambda a, b: b if sum(_digits(b)) > sum(_digits(a)) else a),
+    ("closer_to_ten", "int", "Return whichever of a and b is closer to 10 (a if there is a tie).",
+     lambda a, b: b if abs(b - 10) < abs(a - 10) else a),
+    ("distance_apart", "int", "Return how far apart a and b are on the number line.", lambda a, b: abs(a - b)),
+)  # fmt: skip
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+NUMBER_TEXT_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("spelled_digits", "str", "Return the decimal digits of n spelled out in English, separated by spaces.",
+     lambda n: " ".join(DIGIT_NAMES[d] for d in _digits(n))),
+    ("with_thousands_commas", "str", "Return n written with a comma between each group of three digits, counted "
+     "from the right.", lambda n: f"{n:,}"),
+    ("zero_padded", "str", "Return n written with leading zeros to at least six digits.", lambda n: f"{n:06d}"),
+    ("ordinal_form", "str", "Return n followed by its English ordinal suffix (1st, 2nd, 3rd, 4th, 11th, 12th, 13th, "
+     "21st, ...).", lambda n: f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"),
+    ("hexadecimal_form", "str", "Return n written in base sixteen with lowercase letters and no prefix.",
+     lambda n: f"{n:x}"),
+    ("clock_time", "str", "n is a number of minutes after midnight, less than 1440. Return that time as HH:MM.",
+     lambda n: f"{n // 60:02d}:{n % 60:02d}"),
+)  # fmt: skip
+GRID_IS = "The grid is a list of rows of the same length. "
+GRID_RULES: tuple[tuple[str, str, str, Callable[[list[list[int]]], object]], ...] = (
+    ("row_totals", "List[int]", "Return the sum of each row.", lambda g: [sum(r) for r in g]),
+    ("column_totals", "List[int]", "Return the sum of each column.", lambda g: [sum(c) for c in zip(*g, strict=True)]),
+    ("flipped_grid", "List[List[int]]", "Return the grid with its rows and columns swapped.",
+     lambda g: [list(c) for c in zip(*g, strict=True)]),
+    ("main_diagonal", "List[int]", "It is square. Return the numbers on its diagonal from the top left to the bottom "
+     "right.", lambda g: [g[i][i] for i in range(len(g))]),
+    ("flatten_grid", "List[int]", "Return all its numbers in one list, row after row.", lambda g: [x for r in g for x in r]),
+    ("grid_maximum", "int", "Return the largest number in the grid (it is not empty).", lambda g: max(max(r) for r in g)),
+    ("row_of_largest_total", "int", "Return the index of the row with the largest sum (the first one if there is a "
+     "tie).", lambda g: max(range(len(g)), key=lambda i: sum(g[i]))),
+    ("zeros_in_grid", "int", "Return how many of its numbers are 0.", lambda g: sum(r.count(0) for r in g)),
+    ("mirror_rows", "List[List[int]]", "Return the grid with each row reversed.", lambda g: [r[::-1] for r in g]),
+)  # fmt: skip
+
+
+def _run_length_code(text: str) -> str:
+    runs: list[list[Any]] = []
+    for character in text:
+        if runs and runs[-1][0] == character:
+            runs[-1][1] += 1
+        else:
+            runs.append([character, 1])
+    return "".join(f"{character}{count}" for character, count in runs)
+
+
+def _alternate_case(text: str) -> str:
+    characters, letters = [], 0
+    for character in text:
+        if character.isalpha():
+            characters.append(character.lower() if letters % 2 else character.upper())
+            letters += 1
+        else:
+            characters.append(character)
+    return "".join(characters)
+
+
+WHOLE_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("swap_ends", "str", "Return the text with its first and last characters swapped (unchanged if it is shorter "
+     "than two characters).", lambda s: s[-1] + s[1:-1] + s[0] if len(s) > 1 else s),
+    ("run_length_code", "str", "Return the text with each run of one repeated character written as the character "
+     "followed by the length of the run.", _run_length_code),
+    ("capitalize_each_word", "str", "The words of the text are separated by spaces. Return them separated by single "
+     "spaces, each with its first letter in uppercase and the others in lowercase.",
+     lambda s: " ".join(w.capitalize() for w in s.split())),
+    ("initials_of", "str", "The words of the text are separated by spaces. Return the first letters of the words in "
+     "uppercase, joined together.", lambda s: "".join(w[0].upper() for w in s.split())),
+    ("squeeze_spaces", "str", "Return the text with every stretch of several spaces replaced by one space.",
+     lambda s: re.sub(" {2,}", " ", s)),
+    ("is_pangram", "bool", "Return True if every letter of the English alphabet occurs in the text (in upper or "
+     "lower case), and False otherwise.", lambda s: set(string.ascii_lowercase) <= set(s.lower())),
+    ("middle_of", "str", "Return the middle character of the text, or its two middle characters if its length is "
+     "even (an empty text for an empty text).", lambda s: s[(len(s) - 1) // 2 : len(s) // 2 + 1]),
+    ("alternate_case", "str", "Return the text with its letters in uppercase and lowercase by turns, starting with "
+     "uppercase; other characters are kept and do not count as a turn.", _alternate_case),
+)  # fmt: skip
+
+
+def _third_kind_puzzles() -> list[Puzzle]:
+    strings = [({"part": part, "plural": plural, "phrase": phrase}, test) for part, plural, phrase, test in STRING_KINDS]
+    puzzles = _kinds_by_rules(strings, THIRD_STRING_RULES, "strings: List[str]", lambda returns: STRING_LISTS)
+    return puzzles + _number_puzzles(THIRD_NUMBER_RULES) + _text_puzzles(THIRD_TEXT_RULES)
+
+
+def _third_single_rule_puzzles() -> list[Puzzle]:
+    text_pairs = (("listen", "silent"), ("abcde", "cdeab"), ("Help", "Hello"), ("Banana", "NA"))
+    number_pairs, numbers = ((12, 18), (7, 3), (25, 5)), ((1234,), (7,), (42,))
+    grids = (([[1, 2, 3], [4, 0, 6], [7, 8, 0]],), ([[5, -1], [0, 2]],))
+    texts = (("Hello  world,  again",), ("the quick brown fox jumps over the lazy dog",), ("aaabccd",))
+    pair = "(first: str, second: str) -> {}"
+    puzzles = [Puzzle(name, pair.format(ret), task, solve, text_pairs) for name, ret, task, solve in TWO_TEXT_RULES]
+    puzzles += [Puzzle(n, f"(a: int, b: int) -> {r}", t, solve, number_pairs) for n, r, t, solve in TWO_NUMBER_RULES]
+    puzzles += [Puzzle(name, f"(n: int) -> {ret}", task, solve, numbers) for name, ret, task, solve in NUMBER_TEXT_RULES]
+    grid = "(grid: List[List[int]]) -> {}"
+    puzzles += [Puzzle(name, grid.format(ret), GRID_IS + task, solve, grids) for name, ret, task, solve in GRID_RULES]
+    puzzles += [Puzzle(name, f"(text: str) -> {ret}", task, solve, texts) for name, ret, task, solve in WHOLE_TEXT_RULES]
+    return puzzles
+
+
+def third_puzzles() -> list[Puzzle]:
+    """The "code-puzzles-3" set, in grammar order."""
+    return _third_kind_puzzles() + _third_single_rule_puzzles()

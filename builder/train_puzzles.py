@@ -314,9 +314,9 @@ STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]]
 )  # fmt: skip
 
 
-def _string_list_puzzles() -> list[Puzzle]:
+def _string_list_puzzles(rules: tuple[Rule, ...] = STRING_RULES) -> list[Puzzle]:
     kinds = [({"part": part, "plural": plural, "phrase": phrase}, test) for part, plural, phrase, test in STRING_KINDS]
-    return _kinds_by_rules(kinds, STRING_RULES, "strings: List[str]", lambda returns: STRING_LISTS)
+    return _kinds_by_rules(kinds, rules, "strings: List[str]", lambda returns: STRING_LISTS)
 
 
 # More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
@@ -474,18 +474,10 @@ THIRD_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], ob
     ("longest_{part}_streak", "int", "Return the length of the longest stretch of consecutive numbers in the list "
      "that are all {phrase}.", _longest_run),
 )  # fmt: skip
-# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
-THIRD_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
-    ("upper_{part}s", "str", "Return the text with each character that is {one} in uppercase.",
-     lambda s, t: "".join(c.upper() if t(c) else c for c in s)),
-    ("{part}_share", "float", "Return the fraction of the characters of the text that are {plural} (0.0 for an "
-     "empty text).", lambda s, t: sum(map(t, s)) / len(s) if s else 0.0),
-    ("split_at_{part}s", "List[str]", "Split the text at each character that is {one} (which is left out) and "
-     "return the pieces in order, empty ones included.", lambda s, t: _split_where(s, t)),
-)  # fmt: skip
 
 
 def _split_where(text: str, test: StrTest) -> list[str]:
+    """The pieces of `text` between the characters that pass `test`."""
     pieces = [""]
     for character in text:
         if test(character):
@@ -493,6 +485,17 @@ def _split_where(text: str, test: StrTest) -> list[str]:
         else:
             pieces[-1] += character
     return pieces
+
+
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+THIRD_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("upper_{part}s", "str", "Return the text with each character that is {one} in uppercase.",
+     lambda s, t: "".join(c.upper() if t(c) else c for c in s)),
+    ("{part}_share", "float", "Return the fraction of the characters of the text that are {plural} (0.0 for an "
+     "empty text).", lambda s, t: sum(map(t, s)) / len(s) if s else 0.0),
+    ("split_at_{part}s", "List[str]", "Split the text at each character that is {one} (which is left out) and "
+     "return the pieces in order, empty ones included.", _split_where),
+)  # fmt: skip
 
 
 TWO_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, str], object]], ...] = (
@@ -605,12 +608,6 @@ WHOLE_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
 )  # fmt: skip
 
 
-def _third_kind_puzzles() -> list[Puzzle]:
-    strings = [({"part": part, "plural": plural, "phrase": phrase}, test) for part, plural, phrase, test in STRING_KINDS]
-    puzzles = _kinds_by_rules(strings, THIRD_STRING_RULES, "strings: List[str]", lambda returns: STRING_LISTS)
-    return puzzles + _number_puzzles(THIRD_NUMBER_RULES) + _text_puzzles(THIRD_TEXT_RULES)
-
-
 def _third_single_rule_puzzles() -> list[Puzzle]:
     text_pairs = (("listen", "silent"), ("abcde", "cdeab"), ("Help", "Hello"), ("Banana", "NA"))
     number_pairs, numbers = ((12, 18), (7, 3), (25, 5)), ((1234,), (7,), (42,))
@@ -628,4 +625,7 @@ def _third_single_rule_puzzles() -> list[Puzzle]:
 
 def third_puzzles() -> list[Puzzle]:
     """The "code-puzzles-3" set, in grammar order."""
-    return _third_kind_puzzles() + _third_single_rule_puzzles()
+    return (
+        _string_list_puzzles(THIRD_STRING_RULES) + _number_puzzles(THIRD_NUMBER_RULES) + _text_puzzles(THIRD_TEXT_RULES)
+        + _third_single_rule_puzzles()
+    )  # fmt: skip

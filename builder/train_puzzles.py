@@ -11,6 +11,7 @@ task (the benchmark's wording) and a one-line instruction.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -75,6 +76,18 @@ def _kinds_by_rules(
                 Puzzle(name.format(**words), signature, preamble + task.format(**words), _with_test(rule, test), examples)
             )
     return puzzles
+
+
+def _one_rule_each(
+    rules: tuple[tuple[str, str, str, Callable[..., object]], ...],
+    parameters: str,
+    examples: tuple[tuple[object, ...], ...],
+    preamble: str = "",
+) -> list[Puzzle]:
+    """A puzzle per rule: `def name(parameters) -> returns`, the task after `preamble`, the same examples for all."""
+    return [
+        Puzzle(name, f"({parameters}) -> {returns}", preamble + task, solve, examples) for name, returns, task, solve in rules
+    ]
 
 
 def _is_prime(n: int) -> bool:
@@ -270,11 +283,11 @@ SEQUENCE_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
 def _single_rule_puzzles() -> list[Puzzle]:
     digit_examples, sequence_examples = ((1234,), (907,), (5,)), ((6,), (1,))
     pair_examples = (([1, 4, 6, 9], [2, 4, 5]), ([3, 3], [3]))
-    puzzles = [Puzzle(name, f"(n: int) -> {ret}", task, solve, digit_examples) for name, ret, task, solve in DIGIT_RULES]
-    pair_signature = "(first: List[int], second: List[int]) -> {}"
-    puzzles += [Puzzle(name, pair_signature.format(ret), task, solve, pair_examples) for name, ret, task, solve in PAIR_RULES]
-    puzzles += [Puzzle(name, f"(n: int) -> {ret}", task, solve, sequence_examples) for name, ret, task, solve in SEQUENCE_RULES]
-    return puzzles
+    return (
+        _one_rule_each(DIGIT_RULES, "n: int", digit_examples)
+        + _one_rule_each(PAIR_RULES, "first: List[int], second: List[int]", pair_examples)
+        + _one_rule_each(SEQUENCE_RULES, "n: int", sequence_examples)
+    )
 
 
 def all_puzzles() -> list[Puzzle]:
@@ -431,10 +444,9 @@ def _more_single_rule_puzzles() -> list[Puzzle]:
     dict_examples = (("banana bread",), ("to be or not",))
     sort_examples = {"str": ((["pear", "Fig", "banana", "kiwi"],), (["b", "Ab", "a"],)),
                      "int": (([31, 4, -12, 102, 7],), ([5, 50, 14],))}  # fmt: skip
-    signature = "(numbers: List[int], limit: int) -> {}"
-    puzzles = [Puzzle(name, signature.format(ret), task, solve, limit_examples) for name, ret, task, solve in LIMIT_RULES]
-    puzzles += [Puzzle(n, f"(values: List[float]) -> {r}", t, solve, float_examples) for n, r, t, solve in FLOAT_RULES]
-    puzzles += [Puzzle(name, f"(text: str) -> {ret}", task, solve, dict_examples) for name, ret, task, solve in DICT_RULES]
+    puzzles = _one_rule_each(LIMIT_RULES, "numbers: List[int], limit: int", limit_examples)
+    puzzles += _one_rule_each(FLOAT_RULES, "values: List[float]", float_examples)
+    puzzles += _one_rule_each(DICT_RULES, "text: str", dict_examples)
     for name, returns, task, solve in SORT_RULES:
         kind = returns[5:-1]  # "str" | "int"
         parameter = "words: List[str]" if kind == "str" else "numbers: List[int]"
@@ -566,16 +578,6 @@ GRID_RULES: tuple[tuple[str, str, str, Callable[[list[list[int]]], object]], ...
 )  # fmt: skip
 
 
-def _run_length_code(text: str) -> str:
-    runs: list[list[Any]] = []
-    for character in text:
-        if runs and runs[-1][0] == character:
-            runs[-1][1] += 1
-        else:
-            runs.append([character, 1])
-    return "".join(f"{character}{count}" for character, count in runs)
-
-
 def _alternate_case(text: str) -> str:
     characters, letters = [], 0
     for character in text:
@@ -591,7 +593,7 @@ WHOLE_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
     ("swap_ends", "str", "Return the text with its first and last characters swapped (unchanged if it is shorter "
      "than two characters).", lambda s: s[-1] + s[1:-1] + s[0] if len(s) > 1 else s),
     ("run_length_code", "str", "Return the text with each run of one repeated character written as the character "
-     "followed by the length of the run.", _run_length_code),
+     "followed by the length of the run.", lambda s: "".join(f"{c}{len(list(run))}" for c, run in itertools.groupby(s))),
     ("capitalize_each_word", "str", "The words of the text are separated by spaces. Return them separated by single "
      "spaces, each with its first letter in uppercase and the others in lowercase.",
      lambda s: " ".join(w.capitalize() for w in s.split())),
@@ -613,14 +615,13 @@ def _third_single_rule_puzzles() -> list[Puzzle]:
     number_pairs, numbers = ((12, 18), (7, 3), (25, 5)), ((1234,), (7,), (42,))
     grids = (([[1, 2, 3], [4, 0, 6], [7, 8, 0]],), ([[5, -1], [0, 2]],))
     texts = (("Hello  world,  again",), ("the quick brown fox jumps over the lazy dog",), ("aaabccd",))
-    pair = "(first: str, second: str) -> {}"
-    puzzles = [Puzzle(name, pair.format(ret), task, solve, text_pairs) for name, ret, task, solve in TWO_TEXT_RULES]
-    puzzles += [Puzzle(n, f"(a: int, b: int) -> {r}", t, solve, number_pairs) for n, r, t, solve in TWO_NUMBER_RULES]
-    puzzles += [Puzzle(name, f"(n: int) -> {ret}", task, solve, numbers) for name, ret, task, solve in NUMBER_TEXT_RULES]
-    grid = "(grid: List[List[int]]) -> {}"
-    puzzles += [Puzzle(name, grid.format(ret), GRID_IS + task, solve, grids) for name, ret, task, solve in GRID_RULES]
-    puzzles += [Puzzle(name, f"(text: str) -> {ret}", task, solve, texts) for name, ret, task, solve in WHOLE_TEXT_RULES]
-    return puzzles
+    return (
+        _one_rule_each(TWO_TEXT_RULES, "first: str, second: str", text_pairs)
+        + _one_rule_each(TWO_NUMBER_RULES, "a: int, b: int", number_pairs)
+        + _one_rule_each(NUMBER_TEXT_RULES, "n: int", numbers)
+        + _one_rule_each(GRID_RULES, "grid: List[List[int]]", grids, GRID_IS)
+        + _one_rule_each(WHOLE_TEXT_RULES, "text: str", texts)
+    )
 
 
 def third_puzzles() -> list[Puzzle]:

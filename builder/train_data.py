@@ -10,6 +10,9 @@
   floats, dictionaries, sorting by a key, more rules over numbers and characters), none of them in "code-puzzles".
 - "code-puzzles-3": more again (two texts, two numbers, a number as text, a grid of numbers, whole-text rewrites,
   more rules over the kinds of numbers, strings and characters), none of them in the two sets before.
+- "code-puzzles-4": more again (a text and a piece of text, a list of strings and a piece, running values, strings
+  of bits, numbers written in a text, a pair of results, a stub after a finished helper, more rules over the kinds
+  of numbers, characters, words and strings), none of them in the three sets before.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -29,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, more_puzzles, third_puzzles
+from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, fourth_puzzles, more_puzzles, third_puzzles
 from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
@@ -188,6 +191,11 @@ def third_puzzle_prompts() -> list[str]:
     return puzzle_prompts(third_puzzles())
 
 
+def fourth_puzzle_prompts() -> list[str]:
+    """The "code-puzzles-4" set's prompts, as puzzle_prompts makes them."""
+    return puzzle_prompts(fourth_puzzles())
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
@@ -195,7 +203,8 @@ def prose_prompts() -> list[str]:
 
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
     "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts,
-    "code-puzzles-2": more_puzzle_prompts, "code-puzzles-3": third_puzzle_prompts, "prose": prose_prompts,
+    "code-puzzles-2": more_puzzle_prompts, "code-puzzles-3": third_puzzle_prompts, "code-puzzles-4": fourth_puzzle_prompts,
+    "prose": prose_prompts,
 }  # fmt: skip
 
 

@@ -33,11 +33,14 @@ class Puzzle:
     task: str  # one sentence, the docstring's first line(s)
     solve: Callable[..., object]
     examples: tuple[tuple[object, ...], ...]  # argument tuples shown as `>>>` lines with solve's results
+    helper: str = ""  # a finished function the stub follows (its source), as some HumanEval prompts have
 
     def stub(self) -> str:
-        """`def name(signature):` with the task wrapped at 76 columns and the examples, typing imports first."""
-        names = [n for n in ("Dict", "List", "Optional", "Tuple") if f"{n}[" in self.signature]
+        """`def name(signature):` with the task wrapped at 76 columns and the examples, after typing imports and the
+        helper."""
+        names = [n for n in ("Dict", "List", "Optional", "Tuple") if f"{n}[" in self.signature + self.helper]
         header = f"from typing import {', '.join(names)}\n\n\n" if names else ""
+        header += f"{self.helper.strip()}\n\n\n" if self.helper else ""
         task = textwrap.fill(self.task, 76, initial_indent="    ", subsequent_indent="    ").lstrip()
         lines = [f"def {self.name}{self.signature}:", f'    """ {task}']
         for arguments in self.examples:
@@ -45,9 +48,10 @@ class Puzzle:
         return header + "\n".join([*lines, '    """']) + "\n"
 
     def instruction(self) -> str:
-        """The same puzzle as a one-line request without examples."""
+        """The same puzzle as a one-line request without examples (and the helper after it, if it has one)."""
         parameters = self.signature.split(" -> ")[0]
-        return f"Write a Python function `{self.name}{parameters}`. {self.task}"
+        request = f"Write a Python function `{self.name}{parameters}`. {self.task}"
+        return f"{request} The helper:\n```python\n{self.helper.strip()}\n```" if self.helper else request
 
 
 def _with_test(rule: Callable[[Any, Any], object], test: Callable[[Any], bool]) -> Callable[[Any], object]:
@@ -83,10 +87,13 @@ def _one_rule_each(
     parameters: str,
     examples: tuple[tuple[object, ...], ...],
     preamble: str = "",
+    helper: str = "",
 ) -> list[Puzzle]:
-    """A puzzle per rule: `def name(parameters) -> returns`, the task after `preamble`, the same examples for all."""
+    """A puzzle per rule: `def name(parameters) -> returns`, the task after `preamble`, the same examples for all,
+    the stub after `helper`."""
     return [
-        Puzzle(name, f"({parameters}) -> {returns}", preamble + task, solve, examples) for name, returns, task, solve in rules
+        Puzzle(name, f"({parameters}) -> {returns}", preamble + task, solve, examples, helper)
+        for name, returns, task, solve in rules
     ]
 
 
@@ -208,9 +215,9 @@ WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] =
 )  # fmt: skip
 
 
-def _word_puzzles() -> list[Puzzle]:
+def _word_puzzles(rules: tuple[Rule, ...] = WORD_RULES) -> list[Puzzle]:
     kinds = [({"part": part, "description": description}, test) for part, description, test in WORD_KINDS]
-    return _kinds_by_rules(kinds, WORD_RULES, "sentence: str", lambda returns: SENTENCES, SENTENCE_IS)
+    return _kinds_by_rules(kinds, rules, "sentence: str", lambda returns: SENTENCES, SENTENCE_IS)
 
 
 def _collatz_steps(n: int) -> int:
@@ -629,4 +636,212 @@ def third_puzzles() -> list[Puzzle]:
     return (
         _string_list_puzzles(THIRD_STRING_RULES) + _number_puzzles(THIRD_NUMBER_RULES) + _text_puzzles(THIRD_TEXT_RULES)
         + _third_single_rule_puzzles()
+    )  # fmt: skip
+
+
+# The "code-puzzles-4" set: more shapes again (a text and a piece of text, a list of strings and a piece, running
+# values over a list, strings of bits, numbers written in a text, a pair of results, a finished helper the stub
+# follows) and more rules over the kinds of numbers, characters, words and strings, none of them in the sets above.
+
+# More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
+FOURTH_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("last_{part}", "Optional[int]", "Return the last of the {plural} in the list, or None if there is none.",
+     lambda n, t: next((x for x in reversed(n) if t(x)), None)),
+    ("neighbouring_{part}_pairs", "int", "Return how many pairs of neighbouring numbers in the list are both "
+     "{phrase}.", lambda n, t: sum(t(a) and t(b) for a, b in zip(n, n[1:], strict=False))),
+    ("{part}_as_indices", "List[int]", "Return the list with each of its {plural} replaced by its own index.",
+     lambda n, t: [i if t(x) else x for i, x in enumerate(n)]),
+    ("count_up_to_first_{part}", "int", "Return how many numbers come before the first number in the list that is "
+     "{phrase} (the length of the list if there is none).",
+     lambda n, t: next((i for i, x in enumerate(n) if t(x)), len(n))),
+)  # fmt: skip
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+FOURTH_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("{part}s_to_end", "str", "Return the text with its {plural} moved to its end, both groups of characters "
+     "keeping their order.", lambda s, t: "".join(c for c in s if not t(c)) + "".join(c for c in s if t(c))),
+    ("count_{part}_runs", "int", "Return how many stretches of consecutive characters of the text are {plural} "
+     "(a stretch is as long as possible).", lambda s, t: sum(1 for key, _ in itertools.groupby(s, key=t) if key)),
+    ("{part}s_between_brackets", "str", "Return the text with each character that is {one} written between square "
+     "brackets.", lambda s, t: "".join(f"[{c}]" if t(c) else c for c in s)),
+)  # fmt: skip
+# More rules over WORD_KINDS (name, return type, task after SENTENCE_IS, rule(sentence, test))
+FOURTH_WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("index_of_first_{part}", "int", "Return the index among the words of the first of its {description}, or -1 if "
+     "there is none.", lambda s, t: next((i for i, w in enumerate(s.split()) if t(w)), -1)),
+    ("lengths_of_{part}", "List[int]", "Return the length of each of its {description}, in order.",
+     lambda s, t: [len(w) for w in s.split() if t(w)]),
+    ("bracket_{part}", "str", "Return the sentence with each of its {description} written between parentheses.",
+     lambda s, t: " ".join(f"({w})" if t(w) else w for w in s.split())),
+)  # fmt: skip
+# More rules over STRING_KINDS (name, return type, task, rule(strings, test))
+FOURTH_STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]], ...] = (
+    ("{part}_strings_to_end", "List[str]", "Return the list with its {plural} moved to its end, both groups keeping "
+     "their original order.", lambda w, t: [x for x in w if not t(x)] + [x for x in w if t(x)]),
+    ("shortest_{part}_string", "Optional[str]", "Return the shortest of the {plural} in the list (the first one if "
+     "there is a tie), or None if there is none.", lambda w, t: min((x for x in w if t(x)), key=len, default=None)),
+)  # fmt: skip
+
+
+TEXT_PIECE_RULES: tuple[tuple[str, str, str, Callable[[str, str], object]], ...] = (
+    ("piece_starts", "List[int]", "Return every index of the text at which piece starts (piece is not empty; "
+     "occurrences may overlap).", lambda s, p: [i for i in range(len(s)) if s.startswith(p, i)]),
+    ("cut_out_piece", "str", "Return the text with every occurrence of piece removed, looking from left to right.",
+     lambda s, p: s.replace(p, "")),
+    ("before_piece", "str", "Return the part of the text before the first occurrence of piece, or the whole text if "
+     "piece does not occur in it.", lambda s, p: s.split(p, 1)[0]),
+    ("after_last_piece", "str", "Return the part of the text after the last occurrence of piece, or an empty text if "
+     "piece does not occur in it.", lambda s, p: s.rsplit(p, 1)[1] if p in s else ""),
+    ("split_on_piece", "List[str]", "Return the parts of the text between the occurrences of piece (piece is not "
+     "empty), empty ones included.", lambda s, p: s.split(p)),
+    ("piece_ignoring_case", "bool", "Return True if piece occurs in the text when upper and lower case are not told "
+     "apart, and False otherwise.", lambda s, p: p.lower() in s.lower()),
+    ("surround_piece", "str", "Return the text with every occurrence of piece surrounded by asterisks.",
+     lambda s, p: s.replace(p, f"*{p}*")),
+    ("first_piece_to_upper", "str", "Return the text with the first occurrence of piece in uppercase.",
+     lambda s, p: s.replace(p, p.upper(), 1)),
+)  # fmt: skip
+STRINGS_PIECE_RULES: tuple[tuple[str, str, str, Callable[[list[str], str], object]], ...] = (
+    ("strings_ending_with", "List[str]", "Return the strings of the list that end with piece, in their original "
+     "order.", lambda w, p: [x for x in w if x.endswith(p)]),
+    ("strings_lacking", "List[str]", "Return the strings of the list that do not contain piece, in their original "
+     "order.", lambda w, p: [x for x in w if p not in x]),
+    ("count_piece_in_strings", "int", "Return how many times piece occurs in the strings of the list altogether "
+     "(occurrences within a string do not overlap).", lambda w, p: sum(x.count(p) for x in w)),
+    ("prefix_each_with", "List[str]", "Return the strings of the list, each with piece put in front of it.",
+     lambda w, p: [p + x for x in w]),
+    ("join_with_piece", "str", "Return the strings of the list joined together with piece between each two of "
+     "them.", lambda w, p: p.join(w)),
+    ("index_of_string", "int", "Return the index of the first string of the list equal to piece, or -1 if there "
+     "is none.", lambda w, p: w.index(p) if p in w else -1),
+)  # fmt: skip
+
+
+def _running(numbers: list[int], combine: Callable[[int, int], int]) -> list[int]:
+    return list(itertools.accumulate(numbers, combine))
+
+
+RUNNING_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ...] = (
+    ("running_sums", "List[int]", "Return the running sums of the list: the sum of its first number, of its first "
+     "two numbers, and so on.", lambda n: _running(n, lambda a, b: a + b)),
+    ("running_minimum", "List[int]", "Return, for each position of the list, the smallest number up to and "
+     "including that position.", lambda n: _running(n, min)),
+    ("running_products", "List[int]", "Return the running products of the list: the product of its first number, "
+     "of its first two numbers, and so on.", lambda n: _running(n, lambda a, b: a * b)),
+    ("new_record_count", "int", "Return how many numbers in the list are greater than every number before them "
+     "(the first number counts).", lambda n: sum(all(x > y for y in n[:i]) for i, x in enumerate(n))),
+    ("lowest_running_sum", "int", "Return the smallest of the running sums of the list (0 if the list is empty).",
+     lambda n: min(_running(n, lambda a, b: a + b), default=0)),
+    ("neighbour_differences", "List[int]", "Return each number of the list minus the number before it.",
+     lambda n: [b - a for a, b in zip(n, n[1:], strict=False)]),
+    ("sums_from_the_end", "List[int]", "Return, for each position of the list, the sum of the numbers from that "
+     "position to the end.", lambda n: [sum(n[i:]) for i in range(len(n))]),
+)  # fmt: skip
+BIT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("bits_value", "int", "bits is a string of the characters '0' and '1'. Return the number it writes in base two.",
+     lambda b: int(b, 2)),
+    ("flip_bits", "str", "bits is a string of the characters '0' and '1'. Return it with every '0' turned into '1' "
+     "and every '1' into '0'.", lambda b: b.translate(str.maketrans("01", "10"))),
+    ("count_set_bits", "int", "bits is a string of the characters '0' and '1'. Return how many of them are '1'.",
+     lambda b: b.count("1")),
+    ("longest_run_of_ones", "int", "bits is a string of the characters '0' and '1'. Return the length of its longest "
+     "stretch of consecutive '1's.", lambda b: max(map(len, b.split("0")))),
+    ("bits_alternate", "bool", "bits is a string of the characters '0' and '1'. Return True if no two neighbouring "
+     "characters of it are the same, and False otherwise.", lambda b: all(x != y for x, y in zip(b, b[1:], strict=False))),
+    ("padded_to_byte", "str", "bits is a string of at most eight characters '0' and '1'. Return it with '0's added "
+     "in front until it is eight characters long.", lambda b: b.zfill(8)),
+)  # fmt: skip
+NUMBERS_IN_TEXT_IS = "The text holds whole numbers separated by commas, with no spaces. "
+NUMBERS_IN_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("total_of_listed", "int", "Return their sum.", lambda s: sum(int(x) for x in s.split(","))),
+    ("largest_listed", "int", "Return the largest of them.", lambda s: max(int(x) for x in s.split(","))),
+    ("listed_in_order", "str", "Return the same numbers sorted from smallest to largest, in the same format.",
+     lambda s: ",".join(map(str, sorted(int(x) for x in s.split(","))))),
+    ("listed_as_numbers", "List[int]", "Return them as a list of numbers, in order.",
+     lambda s: [int(x) for x in s.split(",")]),
+    ("repeated_listed", "List[int]", "Return, sorted, each number that occurs more than once among them.",
+     lambda s: sorted({int(x) for x in s.split(",") if s.split(",").count(x) > 1})),
+    ("listed_without_negatives", "str", "Return the text without its negative numbers, in the same format.",
+     lambda s: ",".join(x for x in s.split(",") if not x.startswith("-"))),
+)  # fmt: skip
+PAIR_RESULT_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ...] = (
+    ("smallest_and_largest", "Tuple[int, int]", "Return the smallest and the largest number of the list, as a pair "
+     "(the list is not empty).", lambda n: (min(n), max(n))),
+    ("first_and_last", "Tuple[int, int]", "Return the first and the last number of the list, as a pair (the list is "
+     "not empty).", lambda n: (n[0], n[-1])),
+    ("positions_of_extremes", "Tuple[int, int]", "Return the index of the smallest and the index of the largest "
+     "number of the list, as a pair (the first ones if there are ties; the list is not empty).",
+     lambda n: (n.index(min(n)), n.index(max(n)))),
+    ("sum_of_halves", "Tuple[int, int]", "Return the sum of the first half of the list and the sum of the second "
+     "half, as a pair (the middle number of a list of odd length goes to the second half).",
+     lambda n: (sum(n[: len(n) // 2]), sum(n[len(n) // 2 :]))),
+    ("squares_and_cubes", "Tuple[int, int]", "Return the sum of the squares and the sum of the cubes of the numbers "
+     "of the list, as a pair.", lambda n: (sum(x**2 for x in n), sum(x**3 for x in n))),
+    ("positives_and_negatives", "Tuple[int, int]", "Return how many numbers of the list are positive and how many "
+     "are negative, as a pair.", lambda n: (sum(x > 0 for x in n), sum(x < 0 for x in n))),
+)  # fmt: skip
+
+
+def _digit_total(n: int) -> int:
+    return sum(_digits(abs(n)))
+
+
+def _is_vowel(character: str) -> bool:
+    return character.lower() in "aeiou"
+
+
+def _vowel_ratio(letters: list[str]) -> float:
+    return sum(map(_is_vowel, letters)) / len(letters) if letters else 0.0
+
+
+DIGIT_TOTAL_HELPER = '''def digit_total(n: int) -> int:
+    """Return the sum of the decimal digits of the absolute value of n."""
+    return sum(int(d) for d in str(abs(n)))'''
+IS_VOWEL_HELPER = '''def is_vowel(character: str) -> bool:
+    """Return True if the character is a vowel (in upper or lower case)."""
+    return character.lower() in "aeiou"'''
+# Rules whose stub follows a finished helper, which the task names (name, return type, task, rule)
+DIGIT_TOTAL_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ...] = (
+    ("largest_digit_total", "int", "Return the number of the list whose digit_total is the largest (the first one "
+     "if there is a tie; the list is not empty).", lambda n: max(n, key=_digit_total)),
+    ("order_by_digit_total", "List[int]", "Return the numbers of the list sorted by their digit_total, ties keeping "
+     "their order.", lambda n: sorted(n, key=_digit_total)),
+    ("even_digit_totals", "List[int]", "Return the numbers of the list whose digit_total is even, in their original "
+     "order.", lambda n: [x for x in n if _digit_total(x) % 2 == 0]),
+)  # fmt: skip
+IS_VOWEL_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("neighbouring_vowels", "int", "Return how many pairs of neighbouring characters of the text are both vowels "
+     "(use is_vowel).", lambda s: sum(_is_vowel(a) and _is_vowel(b) for a, b in zip(s, s[1:], strict=False))),
+    ("vowel_ratio", "float", "Return the fraction of the letters of the text that are vowels (use is_vowel; 0.0 if "
+     "the text has no letter).", lambda s: _vowel_ratio([c for c in s if c.isalpha()])),
+    ("starts_and_ends_with_vowel", "bool", "Return True if the text is not empty and both its first and its last "
+     "characters are vowels (use is_vowel), and False otherwise.",
+     lambda s: bool(s) and _is_vowel(s[0]) and _is_vowel(s[-1])),
+)  # fmt: skip
+
+
+def _fourth_single_rule_puzzles() -> list[Puzzle]:
+    text_pieces = (("banana bandana", "ana"), ("a-b--c", "-"), ("Hello", "xyz"))
+    string_pieces = ((["photo.png", "notes.txt", "logo.png", ""], ".png"), (["to", "do"], "o"))
+    running_lists = (([3, -1, 4, -1, 5],), ([2, 2, 1],), ([],))
+    bits = (("101100",), ("0111",), ("1",))
+    numbers_texts = (("12,-3,7,12,0",), ("5,-5,5",))
+    pair_lists = (([4, -2, 9, 0, -7],), ([6, 1, 6],))
+    return (
+        _one_rule_each(TEXT_PIECE_RULES, "text: str, piece: str", text_pieces)
+        + _one_rule_each(STRINGS_PIECE_RULES, "strings: List[str], piece: str", string_pieces)
+        + _one_rule_each(RUNNING_RULES, "numbers: List[int]", running_lists)
+        + _one_rule_each(BIT_RULES, "bits: str", bits)
+        + _one_rule_each(NUMBERS_IN_TEXT_RULES, "text: str", numbers_texts, NUMBERS_IN_TEXT_IS)
+        + _one_rule_each(PAIR_RESULT_RULES, "numbers: List[int]", pair_lists)
+        + _one_rule_each(DIGIT_TOTAL_RULES, "numbers: List[int]", (([15, 8, -99, 40],), ([123, 321, 5],)),
+                         helper=DIGIT_TOTAL_HELPER)
+        + _one_rule_each(IS_VOWEL_RULES, "text: str", (("Education",), ("rhythm",), ("Area",)), helper=IS_VOWEL_HELPER)
+    )  # fmt: skip
+
+
+def fourth_puzzles() -> list[Puzzle]:
+    """The "code-puzzles-4" set, in grammar order."""
+    return (
+        _number_puzzles(FOURTH_NUMBER_RULES) + _text_puzzles(FOURTH_TEXT_RULES) + _word_puzzles(FOURTH_WORD_RULES)
+        + _string_list_puzzles(FOURTH_STRING_RULES) + _fourth_single_rule_puzzles()
     )  # fmt: skip

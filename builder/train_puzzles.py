@@ -822,7 +822,7 @@ IS_VOWEL_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
 def _fourth_single_rule_puzzles() -> list[Puzzle]:
     text_pieces = (("banana bandana", "ana"), ("a-b--c", "-"), ("Hello", "xyz"))
     string_pieces = ((["photo.png", "notes.txt", "logo.png", ""], ".png"), (["to", "do"], "o"))
-    running_lists = (([3, -1, 4, -1, 5],), ([2, 2, 1],), ([],))
+    running_lists: tuple[tuple[list[int]], ...] = (([3, -1, 4, -1, 5],), ([2, 2, 1],), ([],))
     bits = (("101100",), ("0111",), ("1",))
     numbers_texts = (("12,-3,7,12,0",), ("5,-5,5",))
     pair_lists = (([4, -2, 9, 0, -7],), ([6, 1, 6],))

@@ -331,4 +331,4 @@ def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> No
             assert example.want.strip() == repr(puzzle.solve(*arguments))
     prompts = puzzle_prompts() + more_puzzle_prompts() + third_puzzle_prompts() + fourth_puzzle_prompts()
     assert len(prompts) == 2 * len(puzzles) and prompts[0].endswith('    """\n```')
-    assert sum("def digit_total(n: int) -> int:" in prompt for prompt in prompts) == 2 * 3  # stub and instruction
+    assert sum("def digit_total(n: int) -> int:" in prompt for prompt in prompts) == 2 * 2  # stub and instruction

@@ -282,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repo", type=Path, required=True, help="a dflash-build output (model repository)")
     parser.add_argument(
-        "--dataset", default="builtin", help="builtin | humaneval | mt-bench (first turns) | FILE (JSON lines with a 'prompt')"
+        "--dataset",
+        default="builtin",
+        help="builtin | humaneval | mt-bench (first turns), each optionally @FIRST (humaneval@20: from HumanEval/20 on) | "
+        "FILE (JSON lines with a 'prompt')",
     )
     parser.add_argument("--num-prompts", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (fixed length: no stop tokens)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -73,17 +74,32 @@ def file_prompts(path: Path, count: int) -> list[str]:
     return prompts
 
 
+NAMED_DATASETS: dict[str, Callable[[int], list[str]]] = {
+    "builtin": lambda count: list(BUILTIN_PROMPTS[:count]),
+    "humaneval": humaneval_prompts,
+    "mt-bench": mt_bench_prompts,
+}
+
+
 def dataset_prompts(dataset: str, count: int) -> list[str]:
-    """builtin | humaneval | mt-bench | a JSON-lines FILE with a `prompt` field -> the first `count` user turns."""
-    if dataset == "builtin":
-        return list(BUILTIN_PROMPTS[:count])
-    if dataset == "humaneval":
-        return humaneval_prompts(count)
-    if dataset == "mt-bench":
-        return mt_bench_prompts(count)
+    """builtin | humaneval | mt-bench, each optionally @FIRST (from its prompt FIRST on, counted from 0: `humaneval@20`
+    is HumanEval/20 onwards, outside the first 20 that the benchmarks run) | a JSON-lines FILE with a `prompt` field
+    -> `count` user turns."""
+    name, at, first = dataset.partition("@")
+    if name in NAMED_DATASETS:
+        if at and not first.isdigit():
+            raise ValueError(f"--dataset {dataset!r}: after '@' comes the index of the first prompt, e.g. {name}@20")
+        start = int(first or 0)
+        prompts = NAMED_DATASETS[name](start + count)[start:]
+        if not prompts:
+            raise ValueError(f"--dataset {dataset!r} starts past the last of its prompts")
+        return prompts
     path = Path(dataset)
     if not path.is_file():
-        raise ValueError(f"--dataset {dataset!r} is neither builtin, humaneval, mt-bench nor an existing JSON-lines file")
+        raise ValueError(
+            f"--dataset {dataset!r} is neither builtin, humaneval, mt-bench (each optionally @FIRST) nor an existing "
+            "JSON-lines file"
+        )
     return file_prompts(path, count)
 
 

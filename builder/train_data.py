@@ -13,6 +13,9 @@
 - "code-puzzles-4": more again (a text and a piece of text, a list of strings and a piece, running values, strings
   of bits, numbers written in a text, a pair of results, a stub after a finished helper, more rules over the kinds
   of numbers, characters, words and strings), none of them in the three sets before.
+- "code-puzzles-5": more again (name-and-score pairs, a list and a step k, times of day, a text and a width, a text
+  and a character, two lists of strings, more rules over one whole number and over the kinds of numbers, characters,
+  words and strings), none of them in the four sets before.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -32,7 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_trt.builder.train_puzzles import Puzzle, all_puzzles, fourth_puzzles, more_puzzles, third_puzzles
+from dflash_trt.builder.train_puzzles import (
+    Puzzle,
+    all_puzzles,
+    fifth_puzzles,
+    fourth_puzzles,
+    more_puzzles,
+    third_puzzles,
+)
 from transformers import PreTrainedTokenizerBase
 
 STDLIB_MODULES = (
@@ -196,6 +206,11 @@ def fourth_puzzle_prompts() -> list[str]:
     return puzzle_prompts(fourth_puzzles())
 
 
+def fifth_puzzle_prompts() -> list[str]:
+    """The "code-puzzles-5" set's prompts, as puzzle_prompts makes them."""
+    return puzzle_prompts(fifth_puzzles())
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
@@ -204,7 +219,7 @@ def prose_prompts() -> list[str]:
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
     "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts,
     "code-puzzles-2": more_puzzle_prompts, "code-puzzles-3": third_puzzle_prompts, "code-puzzles-4": fourth_puzzle_prompts,
-    "prose": prose_prompts,
+    "code-puzzles-5": fifth_puzzle_prompts, "prose": prose_prompts,
 }  # fmt: skip
 
 

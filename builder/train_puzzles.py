@@ -821,3 +821,202 @@ def fourth_puzzles() -> list[Puzzle]:
         _number_puzzles(FOURTH_NUMBER_RULES) + _text_puzzles(FOURTH_TEXT_RULES) + _word_puzzles(FOURTH_WORD_RULES)
         + _string_list_puzzles(FOURTH_STRING_RULES) + _fourth_single_rule_puzzles()
     )  # fmt: skip
+
+
+# The "code-puzzles-5" set: more shapes again (a list of name-and-score pairs, a list and a step k, times of day, a
+# text and a width, a text and a character, two lists of strings, more rules over one whole number) and more rules
+# over the kinds of numbers, characters, words and strings, none of them in the sets above. Left out as HumanEval
+# neighbours, as in code-puzzles-4: counting a character or piece (how_many_times), shortest words (longest),
+# strings in both lists (common), swapping case (flip_case), rotations (circular_shift), the k largest (maximum),
+# powers (is_simple_power), sums up to n (sum_to_n), and floats against a threshold (has_close_elements).
+
+# More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
+FIFTH_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("{part}_in_reverse", "List[int]", "Return the {plural} of the list in reverse order.",
+     lambda n, t: [x for x in reversed(n) if t(x)]),
+    ("{part}_minus_others", "int", "Return the sum of the {plural} in the list minus the sum of the other numbers.",
+     lambda n, t: sum(x if t(x) else -x for x in n)),
+    ("repeat_{part}", "List[int]", "Return the list with each of its {plural} written twice in a row.",
+     lambda n, t: [y for x in n for y in ([x, x] if t(x) else [x])]),
+)  # fmt: skip
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+FIFTH_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("text_after_first_{part}", "str", "Return the part of the text after its first character that is {one}, or an "
+     "empty text if it has none.", lambda s, t: next((s[i + 1 :] for i, c in enumerate(s) if t(c)), "")),
+    ("upper_after_{part}s", "str", "Return the text with each character that comes right after {one} in uppercase.",
+     lambda s, t: "".join(c.upper() if i and t(s[i - 1]) else c for i, c in enumerate(s))),
+)  # fmt: skip
+# More rules over WORD_KINDS (name, return type, task after SENTENCE_IS, rule(sentence, test))
+FIFTH_WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("{part}_to_front", "str", "Return the sentence with its {description} moved to the front, both groups of "
+     "words keeping their order.",
+     lambda s, t: " ".join([w for w in s.split() if t(w)] + [w for w in s.split() if not t(w)])),
+    ("initials_of_{part}", "str", "Return the first letters of its {description}, joined together in order.",
+     lambda s, t: "".join(w[0] for w in s.split() if t(w))),
+    ("letters_in_{part}", "int", "Return how many letters its {description} have altogether.",
+     lambda s, t: sum(len(w) for w in s.split() if t(w))),
+)  # fmt: skip
+# More rules over STRING_KINDS (name, return type, task, rule(strings, test))
+FIFTH_STRING_RULES: tuple[tuple[str, str, str, Callable[[list[str], StrTest], object]], ...] = (
+    ("reverse_{part}_strings", "List[str]", "Return the list with the characters of each of its {plural} in "
+     "reverse order.", lambda w, t: [x[::-1] if t(x) else x for x in w]),
+    ("lengths_of_each_{part}_string", "List[int]", "Return the length of each of the {plural} of the list, in "
+     "order.", lambda w, t: [len(x) for x in w if t(x)]),
+)  # fmt: skip
+
+
+def _best_name(pairs: list[tuple[str, int]]) -> str:
+    return max(pairs, key=lambda pair: pair[1])[0]
+
+
+def _totals_by_name(pairs: list[tuple[str, int]]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for name, score in pairs:
+        totals[name] = totals.get(name, 0) + score
+    return totals
+
+
+SCORES_ARE = "Each pair of the list holds a name and a score. "
+SCORE_RULES: tuple[tuple[str, str, str, Callable[[list[tuple[str, int]]], object]], ...] = (
+    ("total_score", "int", "Return the sum of all the scores.", lambda p: sum(score for _, score in p)),
+    ("best_scorer", "str", "Return the name with the highest score (the first one if there is a tie; the list is "
+     "not empty).", _best_name),
+    ("names_scoring_over_ten", "List[str]", "Return the names whose score is greater than ten, in their original "
+     "order.", lambda p: [name for name, score in p if score > 10]),
+    ("score_per_name", "Dict[str, int]", "A name can occur more than once. Return a dictionary mapping each name to "
+     "the sum of its scores.", _totals_by_name),
+    ("by_score_descending", "List[Tuple[str, int]]", "Return the pairs sorted from the highest score to the lowest "
+     "(pairs with the same score keep their order).", lambda p: sorted(p, key=lambda pair: -pair[1])),
+    ("scores_first", "List[Tuple[int, str]]", "Return the pairs with the score before the name.",
+     lambda p: [(score, name) for name, score in p]),
+)  # fmt: skip
+STEP_IS = "k is a positive whole number. "
+STEP_RULES: tuple[tuple[str, str, str, Callable[[list[int], int], object]], ...] = (
+    ("every_kth_number", "List[int]", "Return the numbers of the list at the indices 0, k, 2k, and so on.",
+     lambda n, k: n[::k]),
+    ("window_sums", "List[int]", "Return the sum of every k consecutive numbers of the list, from the first window "
+     "to the last (none if the list is shorter than k).", lambda n, k: [sum(n[i : i + k]) for i in range(len(n) - k + 1)]),
+    ("repeat_each_k_times", "List[int]", "Return the list with each of its numbers written k times in a row.",
+     lambda n, k: [x for x in n for _ in range(k)]),
+    ("drop_every_kth", "List[int]", "Return the list without its k-th, 2k-th, 3k-th, ... numbers (counting from "
+     "one).", lambda n, k: [x for i, x in enumerate(n, 1) if i % k]),
+)  # fmt: skip
+
+
+def _minutes(time: str) -> int:
+    hours, minutes = time.split(":")
+    return 60 * int(hours) + int(minutes)
+
+
+def _twelve_hour(time: str) -> str:
+    hours, minutes = divmod(_minutes(time), 60)
+    return f"{(hours - 1) % 12 + 1}:{minutes:02d} {'AM' if hours < 12 else 'PM'}"
+
+
+TIME_IS = "time is a time of day written as 'HH:MM' on a 24-hour clock. "
+TIME_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("minutes_since_midnight", "int", "Return how many minutes have passed since midnight.", _minutes),
+    ("minutes_until_midnight", "int", "Return how many minutes are left until the next midnight.",
+     lambda s: 24 * 60 - _minutes(s)),
+    ("twelve_hour_clock", "str", "Return the same time on a 12-hour clock, as 'H:MM AM' or 'H:MM PM' (midnight is "
+     "'12:00 AM', noon '12:00 PM').", _twelve_hour),
+    ("is_before_noon", "bool", "Return True if the time is earlier than 12:00, and False otherwise.",
+     lambda s: _minutes(s) < 12 * 60),
+    ("nearest_hour", "str", "Return the time rounded to the nearest whole hour, as 'HH:00' (half past rounds up; "
+     "'23:30' becomes '00:00').", lambda s: f"{(_minutes(s) + 30) // 60 % 24:02d}:00"),
+)  # fmt: skip
+
+
+def _centred(text: str, width: int, fill: str) -> str:
+    """text between runs of `fill` making it `width` long, the longer run on the right."""
+    room = max(width - len(text), 0)
+    return fill * (room // 2) + text + fill * (room - room // 2)
+
+
+WIDTH_RULES: tuple[tuple[str, str, str, Callable[[str, int], object]], ...] = (
+    ("pad_to_width", "str", "Return the text with spaces added at its end until it is width characters long (the "
+     "text unchanged if it is already that long).", lambda s, w: s.ljust(w)),
+    ("centre_in_stars", "str", "Return the text in the middle of a line of width characters filled with '*' (when "
+     "the stars cannot be split evenly, the extra one goes to the right; the text unchanged if it is too long).",
+     lambda s, w: _centred(s, w, "*")),
+    ("shorten_to_width", "str", "Return the text unchanged if it has at most width characters; otherwise its first "
+     "width - 3 characters followed by '...' (width is at least 3).", lambda s, w: s if len(s) <= w else s[: w - 3] + "..."),
+    ("lines_of_width", "List[str]", "Cut the text into lines of width characters each (the last one may be "
+     "shorter) and return them in order.", lambda s, w: [s[i : i + w] for i in range(0, len(s), w)]),
+    ("fits_in_width", "bool", "Return True if the text has at most width characters, and False otherwise.",
+     lambda s, w: len(s) <= w),
+)  # fmt: skip
+CHARACTER_IS = "character is a single character. "
+CHARACTER_RULES: tuple[tuple[str, str, str, Callable[[str, str], object]], ...] = (
+    ("positions_of_character", "List[int]", "Return the indices at which character occurs in the text.",
+     lambda s, c: [i for i, x in enumerate(s) if x == c]),
+    ("last_index_of_character", "int", "Return the index of the last occurrence of character in the text, or -1 "
+     "if it does not occur.", lambda s, c: s.rfind(c)),
+    ("characters_after_each", "str", "Return the characters that come right after each occurrence of character in "
+     "the text, joined in order.", lambda s, c: "".join(s[i + 1] for i in range(len(s) - 1) if s[i] == c)),
+    ("span_of_character", "int", "Return the distance between the first and the last occurrence of character in "
+     "the text, or -1 if it does not occur.", lambda s, c: s.rfind(c) - s.find(c) if c in s else -1),
+    ("dash_for_character", "str", "Return the text with every occurrence of character replaced by '-'.",
+     lambda s, c: s.replace(c, "-")),
+)  # fmt: skip
+TWO_LISTS_RULES: tuple[tuple[str, str, str, Callable[[list[str], list[str]], object]], ...] = (
+    ("strings_only_in_second", "List[str]", "Return the strings of the second list that the first list does not "
+     "contain, in their original order.", lambda a, b: [x for x in b if x not in a]),
+    ("paired_with_dashes", "List[str]", "Return the strings at the same positions of the two lists joined by '-' "
+     "(as many as the shorter list has).", lambda a, b: [f"{x}-{y}" for x, y in zip(a, b, strict=False)]),
+    ("same_lengths_throughout", "bool", "Return True if the two lists are equally long and the strings at each "
+     "position have the same length, and False otherwise.",
+     lambda a, b: len(a) == len(b) and all(len(x) == len(y) for x, y in zip(a, b, strict=False))),
+    ("longer_of_each_pair", "List[str]", "Return, for each position of the two lists (as many as the shorter list "
+     "has), the longer of the two strings there (the first list's if they are equally long).",
+     lambda a, b: [x if len(x) >= len(y) else y for x, y in zip(a, b, strict=False)]),
+)  # fmt: skip
+
+
+def _halve_until_odd(n: int) -> int:
+    while n % 2 == 0:
+        n //= 2
+    return n
+
+
+WHOLE_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("trailing_zeros", "int", "Return how many zeros the decimal digits of n end with (n is positive).",
+     lambda n: len(str(n)) - len(str(n).rstrip("0"))),
+    ("next_multiple_of_seven", "int", "Return the smallest multiple of seven that is at least n.",
+     lambda n: -(-n // 7) * 7),
+    ("digit_spread", "int", "Return the largest decimal digit of n minus its smallest one.",
+     lambda n: max(_digits(n)) - min(_digits(n))),
+    ("halve_until_odd", "int", "Divide n (a positive number) by two for as long as it is even, and return what is "
+     "left.", _halve_until_odd),
+    ("count_down_by_threes", "List[int]", "Return n, n - 3, n - 6, and so on, for as long as the numbers are "
+     "positive.", lambda n: list(range(n, 0, -3))),
+)  # fmt: skip
+
+
+def _fifth_single_rule_puzzles() -> list[Puzzle]:
+    score_lists = (([("ann", 12), ("bob", 7), ("cy", 12), ("bob", 5)],), ([("dee", -3)],))
+    step_lists = (([5, 1, 8, 3, 9, 2], 2), ([7, 4, 6], 3))
+    times = (("09:45",), ("23:30",), ("12:00",))
+    widths = (("hello", 8), ("stretched out", 6))
+    characters = (("Mississippi", "s"), ("banana", "a"), ("xyz", "q"))
+    string_pairs: tuple[tuple[list[str], list[str]], ...] = (
+        (["red", "blue", "green"], ["blue", "black", "red", "tan"]),
+        (["a"], []),
+    )
+    return (
+        _one_rule_each(SCORE_RULES, "pairs: List[Tuple[str, int]]", score_lists, SCORES_ARE)
+        + _one_rule_each(STEP_RULES, "numbers: List[int], k: int", step_lists, STEP_IS)
+        + _one_rule_each(TIME_RULES, "time: str", times, TIME_IS)
+        + _one_rule_each(WIDTH_RULES, "text: str, width: int", widths)
+        + _one_rule_each(CHARACTER_RULES, "text: str, character: str", characters, CHARACTER_IS)
+        + _one_rule_each(TWO_LISTS_RULES, "first: List[str], second: List[str]", string_pairs)
+        + _one_rule_each(WHOLE_NUMBER_RULES, "n: int", ((48,), (7,), (1000,)))
+    )  # fmt: skip
+
+
+def fifth_puzzles() -> list[Puzzle]:
+    """The "code-puzzles-5" set, in grammar order."""
+    return (
+        _number_puzzles(FIFTH_NUMBER_RULES) + _text_puzzles(FIFTH_TEXT_RULES) + _word_puzzles(FIFTH_WORD_RULES)
+        + _string_list_puzzles(FIFTH_STRING_RULES) + _fifth_single_rule_puzzles()
+    )  # fmt: skip

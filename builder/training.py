@@ -19,7 +19,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -133,7 +133,7 @@ def examples_fingerprint(settings: tuple[object, ...], sequences: list[torch.Ten
 def save_examples(path: Path, examples: list[TrainingExample], fingerprint: str) -> None:
     """The tapped examples under their fingerprint, so that a resumed run skips tapping; whole or absent."""
     partial = path.with_suffix(".partial")
-    columns = {name: [getattr(e, name) for e in examples] for name in TrainingExample.__dataclass_fields__}
+    columns = {field.name: [getattr(e, field.name) for e in examples] for field in fields(TrainingExample)}
     torch.save({"fingerprint": fingerprint, **columns}, partial)
     os.replace(partial, path)
 
@@ -145,7 +145,7 @@ def load_examples(path: Path, fingerprint: str) -> list[TrainingExample] | None:
     state = torch.load(path, mmap=True, weights_only=True)
     if state["fingerprint"] != fingerprint:
         return None
-    columns = [state[name] for name in TrainingExample.__dataclass_fields__]
+    columns = [state[field.name] for field in fields(TrainingExample)]
     return [TrainingExample(*row) for row in zip(*columns, strict=True)]
 
 

@@ -55,7 +55,7 @@ from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
 from dflash_trt.runtime.onnxruntime_runner import SessionSettings
 from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.repository import SERVABLE, TORCH_ENGINE_DIRS
-from dflash_trt.runtime.scheduler import PREFILL_CHUNK
+from dflash_trt.runtime.scheduler import LOOKUP_LIMIT, PREFILL_CHUNK
 from transformers import AutoTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -272,6 +272,7 @@ def build(args: argparse.Namespace) -> Path | None:
         "max_batch_size": str(spec.max_batch_size),
         "engine_model": "dflash",
         "prefill_chunk_tokens": str(PREFILL_CHUNK),
+        "lookup_drafts": str(LOOKUP_LIMIT),
     }
     print("[dflash-build] hashing source checkpoints ...", file=sys.stderr)
     hashes = {"target": checkpoint_hashes(target_dir), "drafter": checkpoint_hashes(drafter_dir)}

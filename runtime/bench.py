@@ -39,7 +39,7 @@ from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
 from dflash_trt.runtime.repository import engine_bytes, load_engine, session_settings, single_rows_padded
 from dflash_trt.runtime.sampling import RequestError, SamplingParams, SamplingTensors
-from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, FixedVerify, VerifyPolicy
+from dflash_trt.runtime.scheduler import LOOKUP_LIMIT, PREFILL_CHUNK, AdaptiveVerify, FixedVerify, VerifyPolicy
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -194,12 +194,13 @@ class EngineRuns:
         return all(r.tokens == first[i % self.prompts] for runs in (self.plain, self.dflash) for i, r in enumerate(runs))
 
 
-def verify_policy(engine: GraphEngine, verify: str) -> VerifyPolicy:
-    """ "adaptive": what `dflash-serve` runs (calibrated once, then learning across the prompts as a server does);
-    "full": the whole block every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
+def verify_policy(engine: GraphEngine, verify: str, lookup_drafts: int = LOOKUP_LIMIT) -> VerifyPolicy:
+    """ "adaptive": what `dflash-serve` runs (calibrated once, then learning across the prompts as a server does),
+    with lookup drafts of up to `lookup_drafts` tokens on steps that draft nothing (0: none); "full": the whole block
+    every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
     if verify == "full":
         return FixedVerify(engine.block_size - 1)
-    return AdaptiveVerify.calibrated(engine)
+    return AdaptiveVerify.calibrated(engine, lookup_drafts)
 
 
 def concurrency_levels(option: str, parser: argparse.ArgumentParser) -> list[int]:
@@ -250,6 +251,8 @@ def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, obj
         "accepted_per_position": per_slot,
         "conditional_acceptance_per_position": conditional,
         "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],
+        "lookup_drafts_verified": sum(r.stats.lookup_tokens for r in runs),  # `runtime.lookup`: not the drafter's
+        "lookup_drafts_accepted": sum(r.stats.lookup_accepted for r in runs),
     }
 
 
@@ -306,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         "full = the whole block every step (z-lab's loop: tau is then the drafter's, comparable with --against zlab)",
     )
     parser.add_argument(
+        "--lookup-drafts",
+        type=int,
+        default=LOOKUP_LIMIT,
+        help=f"with --verify adaptive: lookup drafts (the text's own repetitions, runtime/lookup.py) of up to this many "
+        f"tokens, verified on steps that verify none of the drafter's where they pay (default {LOOKUP_LIMIT}; 0: none)",
+    )
+    parser.add_argument(
         "--against",
         choices=BASELINES,
         action="append",
@@ -348,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = concurrency_levels(args.concurrency, parser) if args.concurrency else []
     limits = {"--num-prompts": (args.num_prompts, 1), "--max-tokens": (args.max_tokens, 1), "--repeats": (args.repeats, 1)}
+    limits["--lookup-drafts"] = (args.lookup_drafts, 0)
     if args.threads is not None:
         limits["--threads"] = (args.threads, 0)  # 0: one per core
     require_at_least(parser, limits)
@@ -373,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--block-size {args.block_size}: this engine was built with block size {engine.block_size}; "
             f"rebuild with dflash-build --block-size {args.block_size} (or drop the option)"
         )
+    if args.lookup_drafts >= engine.block_size:
+        parser.error(f"--lookup-drafts {args.lookup_drafts}: a step verifies at most {engine.block_size - 1} drafts on "
+                     f"this engine (block size {engine.block_size}); give at most that, or 0 for none")  # fmt: skip
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed if args.temperature > 0 else None)
     try:
         sampling.validate()
@@ -404,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     threads = engine_threads(manifest, args.threads)
     step_s, decode_s = step_timings(engine, prompts[0], args.repeats)
-    runs = run_engine(engine, prompts, args.max_tokens, sampling, verify_policy(engine, args.verify), args.rounds)
+    policy = verify_policy(engine, args.verify, args.lookup_drafts)
+    runs = run_engine(engine, prompts, args.max_tokens, sampling, policy, args.rounds)
     plain_rates, dflash_rates = [decode_rate(r) for r in runs.plain], [decode_rate(r) for r in runs.dflash]
     plain_outputs = [r.tokens for r in runs.plain[: len(prompts)]]  # the first round's
     dflash_step_ms = statistics.median(step_ms(r) for r in runs.dflash)
@@ -425,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": args.temperature,
         "block_size": engine.block_size,
         "verify": args.verify,
+        "lookup_drafts": policy.lookup_limit,
         "full_step_ms_at_first_prompt": step_s * 1e3,
         "decode_ms_at_first_prompt": decode_s * 1e3,
         "full_step_over_decode_at_first_prompt": step_s / decode_s,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+from dflash_trt.runtime.lookup import NgramIndex
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (accepted + bonus)
     position_accept_counts: list[int] = field(default_factory=list)  # [S-1]: steps whose draft slot j+1 was accepted
     position_reached_counts: list[int] = field(default_factory=list)  # [S-1]: steps that verified slot j+1, slots before accepted
+    lookup_tokens: int = 0  # lookup drafts the target verified (`runtime.lookup`; not in the counts above)
+    lookup_accepted: int = 0  # of those, accepted
     finish_reason: str = "length"  # "length" | "stop" | "cancelled"
 
     def __post_init__(self) -> None:
@@ -76,10 +79,15 @@ class GenerationStats:
         if not self.position_reached_counts:
             self.position_reached_counts = [0] * (self.block_size - 1)
 
-    def record_step(self, verified: int, accept_len: int, emitted: int) -> None:
+    def record_step(self, verified: int, accept_len: int, emitted: int, looked_up: int | None = None) -> None:
+        """A step that verified `verified` drafts of the drafter, or with `looked_up` that many lookup drafts."""
         self.steps += 1
-        self.draft_tokens += verified
         self.acceptance_lengths.append(emitted)
+        if looked_up is not None:
+            self.lookup_tokens += looked_up
+            self.lookup_accepted += min(accept_len, looked_up)  # (a padding slot's token can match the target's too)
+            return
+        self.draft_tokens += verified
         for slot in range(accept_len):
             self.position_accept_counts[slot] += 1
         for slot in range(min(accept_len + 1, verified)):  # the first rejected draft was reached too
@@ -141,6 +149,7 @@ class Sequence:
     prefill_end: int = 0  # prompt tokens whose rows its slot holds (a prompt may be prefilled in chunks)
     context_end: int = 0  # its slot holds every state's rows (the drafter's context too) of the positions before this
     block: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [last token, drafts...]
+    lookup: NgramIndex = field(default_factory=NgramIndex)  # prompt and tokens so far, for lookup drafts
     start: int = 0  # position of block[0]
     uniforms: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))  # one per generated token
     finished: bool = False
@@ -150,6 +159,7 @@ class Sequence:
         validate_request(self.prompt, self.max_new_tokens, engine, self.sampling)
         self.stop.validate()
         self.uniforms = self.sampling.uniforms(self.max_new_tokens + engine.block_size)
+        self.lookup.feed(self.prompt)
 
     @property
     def prefilled(self) -> bool:
@@ -167,16 +177,26 @@ class Sequence:
         """Drafted tokens in the next block that a step can verify."""
         return len(self.block) - 1
 
-    def commit(self, emitted: list[int], accept_len: int, verified: int, next_block: np.ndarray, next_start: int) -> list[int]:
-        """Take one step's tokens (the accepted drafts and the bonus token): returns what to send, sets `finished`."""
+    def commit(
+        self,
+        emitted: list[int],
+        accept_len: int,
+        verified: int,
+        next_block: np.ndarray,
+        next_start: int,
+        looked_up: int | None = None,
+    ) -> list[int]:
+        """Take one step's tokens (the accepted drafts and the bonus token): returns what to send, sets `finished`.
+        `looked_up`: the step verified that many lookup drafts instead of the drafter's."""
         before = len(self.tokens)
         self.tokens.extend(emitted[: self.max_new_tokens - before])
         end = self.stop.first_stop(self.tokens, before)
         if end is not None:
             del self.tokens[end:]
             self.stats.finish_reason = "stop"
+        self.lookup.feed(self.tokens[before:])
         if before:  # the prefill's first token is not a step
-            self.stats.record_step(verified, accept_len, len(self.tokens) - before)
+            self.stats.record_step(verified, accept_len, len(self.tokens) - before, looked_up)
             self.stats.decode_seconds = time.perf_counter() - self.began
         else:
             self.stats.prefill_seconds = time.perf_counter() - self.began

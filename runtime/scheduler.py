@@ -34,6 +34,7 @@ from dflash_trt.runtime.loop import GREEDY, GenerationStats, Sequence
 from dflash_trt.runtime.sampling import SamplingTensors
 
 CALIBRATED_DRAFTS = 3  # above batch 1, `AdaptiveVerify.calibrate` times steps of 1 .. this many drafts
+LOOKUP_LIMIT = 4  # lookup drafts a row verifies at most (`AdaptiveVerify.lookup_drafts`)
 PREFILL_CHUNK = 128  # serving's prompt tokens prefilled between two steps while others generate (see Scheduler)
 
 
@@ -41,6 +42,7 @@ class VerifyPolicy(Protocol):
     """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
 
     graph_when_idle: str  # the graph that runs when `choose` returns 0: "verify" (keeps the drafter's context) or "decode"
+    lookup_limit: int  # lookup drafts a row may verify on a step that verifies none of the drafter's (0: never)
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         """Drafts to verify per row in a step of `batch` rows (0 = none); `behind`: tokens whose drafter context the
@@ -49,8 +51,23 @@ class VerifyPolicy(Protocol):
         generate, on average (max_tokens less what they have)."""
         ...
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
-        """A graph call of `batch` rows verifying `width` tokens each (and drafting `drafted`) took `seconds`."""
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        """Lookup drafts (`runtime.lookup`) to verify per row in a step of `graph` that verifies none of the drafter's,
+        the rows having `available` each (0: none)."""
+        ...
+
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
+        """A graph call of `batch` rows verifying `width` tokens each (and drafting `drafted`) took `seconds`;
+        `looked_up`: the lookup drafts each row verified, where the call verified those."""
 
 
 @dataclass
@@ -59,11 +76,24 @@ class FixedVerify:
 
     drafts: int
     graph_when_idle: str = "verify"
+    lookup_limit: int = 0
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         return self.drafts
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        return 0
+
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
         pass
 
 
@@ -72,11 +102,24 @@ class PlainDecoding:
     """No drafting at all: the `decode` graph, one token per step (the baseline on the same engine)."""
 
     graph_when_idle: str = "decode"
+    lookup_limit: int = 0
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         return 0
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        return 0
+
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
         pass
 
     def calibrate(self, engine: GraphEngine, context: int = 256) -> None:
@@ -205,18 +248,24 @@ class AdaptiveVerify:
     chosen: int = 0  # the last k chosen other than by a look
     hold_steps: int = 16  # steps a plain-decoding choice stands unchanged (0: decide every step)
     held: PlainHold | None = None  # the plain-decoding choice standing now
+    lookup_limit: int = LOOKUP_LIMIT  # lookup drafts a row verifies at most, on steps verifying none of the drafter's
+    lookup_margin: float = 0.02  # lookup drafts are verified only where they promise this much more than none
+    lookup_reached: np.ndarray = field(init=False)  # [lookup_limit + 1]: as `reached`, for lookup drafts
+    lookup_accepted: np.ndarray = field(init=False)  # [lookup_limit + 1]: as `accepted`, for lookup drafts
 
     @classmethod
-    def calibrated(cls, engine: GraphEngine) -> AdaptiveVerify:
+    def calibrated(cls, engine: GraphEngine, lookup_limit: int = LOOKUP_LIMIT) -> AdaptiveVerify:
         """The policy `dflash-serve` runs on `engine`, calibrated; plain steps on `decode` where drafting is ruled out,
         except on targets with recurrent states, where only `verify` keeps the drafter's context (`GraphEngine.catch_up`)."""
-        policy = cls(engine.block_size, can_catch_up=not engine.recurrent)
+        policy = cls(engine.block_size, can_catch_up=not engine.recurrent, lookup_limit=lookup_limit)
         policy.calibrate(engine)
         return policy
 
     def __post_init__(self) -> None:
         self.reached = np.ones(self.block_size)  # a weak prior: each draft accepted half the times it is reached
         self.accepted = np.full(self.block_size, 0.5)
+        self.lookup_reached = np.ones(self.lookup_limit + 1)
+        self.lookup_accepted = np.full(self.lookup_limit + 1, 0.5)
 
     def acceptance(self, rows: tuple[GenerationStats, ...] = ()) -> np.ndarray:
         """[B]: P(drafts 1..j all accepted) for j = 0..B-1 (j = 0: 1), the product of each draft's acceptance
@@ -340,6 +389,30 @@ class AdaptiveVerify:
             self.held = PlainHold(batch, rows, next_look, self.hold_steps)
         return best
 
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        """The e <= `lookup_limit` that maximises expected tokens per second of a `graph` step verifying e lookup drafts
+        per row (a row with fewer verifies what it has, the rest of its block padding): the rows' tokens, each
+        1 + the expected accepted of its drafts (their measured per-position acceptance, as `acceptance` does it
+        for the drafter's), over the step's measured cost at this batch and width; 0 unless that beats verifying
+        none by `lookup_margin`, or where a cost is not measured. On the demo pair (2 cores, batch 1), a `decode` of
+        5 tokens cost 1.09 of one token's, of 3 tokens 1.04; at 16 rows 3.3 and 2.0."""
+        most = min(self.lookup_limit, max(available, default=0))
+        none = self.costs.estimate(f"{graph}@1", batch)
+        if not most or none is None:
+            return 0
+        conditional = np.clip(self.lookup_accepted / self.lookup_reached, 0.0, 1.0)
+        conditional[0] = 1.0
+        expected = np.cumsum(np.cumprod(conditional)) - 1.0  # [limit + 1]: accepted drafts of e verified
+        best, best_rate = 0, batch / none * (1 + self.lookup_margin)
+        for extra in range(1, most + 1):
+            cost = self.costs.estimate(f"{graph}@{1 + extra}", batch)
+            if cost is None:
+                break
+            tokens = batch + sum(expected[min(extra, have)] for have in available)
+            if tokens / cost > best_rate:
+                best, best_rate = extra, tokens / cost
+        return best
+
     def _idle_on(self, graph: str) -> None:
         """Plain steps run `graph` from now on ("decode" only where the engine can catch the drafter's context up)."""
         self.graph_when_idle = graph if self.can_catch_up else "verify"
@@ -384,14 +457,27 @@ class AdaptiveVerify:
             return 0
         return best
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
         self.since_look += seconds
         if graph == "catch_up":  # recomputed rows, by the tokens recomputed (a new shape nearly every time)
             self.costs.record("catch_up", batch * width, seconds)
             return
-        self._learn_acceptance(width, accept_lens)
-        if width > 1:
-            self.held = None  # drafts observed: decide anew
+        if looked_up is not None:
+            self.unfaded_steps += 1  # verified none of the drafter's drafts
+            self._learn_lookup(accept_lens, looked_up)
+        else:
+            self._learn_acceptance(width, accept_lens)
+            if width > 1:
+                self.held = None  # drafts observed: decide anew
         shape = (graph, batch, width, drafted)
         if shape not in self.shapes_run:  # a shape's first call also plans its memory: not what the shape costs
             self.shapes_run.add(shape)
@@ -404,6 +490,8 @@ class AdaptiveVerify:
             if plain is not None:
                 self.costs.record(f"plain_when_run{drafted}", batch, plain)
             self.costs.record(f"run{drafted}", batch, seconds)
+        if graph in ("verify", "decode"):
+            self.costs.record(f"{graph}@{width}", batch, seconds)  # by batch, per width: what lookup drafts weigh
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
         elif graph == "step":  # what it cost beyond verifying is the drafter's, by the block slots it denoised
@@ -424,6 +512,17 @@ class AdaptiveVerify:
         for accept_len in accept_lens:
             self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
             self.accepted[1 : accept_len + 1] += 1
+
+    def _learn_lookup(self, accept_lens: list[int], looked_up: list[int]) -> None:
+        """Count what a step's lookup drafts reached and had accepted (rows that had none count nothing); the counts
+        decay by `decay` per step that verified lookup drafts, down to `evidence_floor` per position."""
+        floor_share = self.evidence_floor / self.lookup_reached
+        fading = np.where(floor_share < 1.0, np.maximum(self.decay, floor_share), 1.0)
+        self.lookup_reached *= fading
+        self.lookup_accepted *= fading
+        for accept_len, have in zip(accept_lens, looked_up, strict=True):
+            self.lookup_reached[1 : min(accept_len + 2, have + 1)] += 1  # drafts 1..accept_len+1 were reached
+            self.lookup_accepted[1 : min(accept_len, have) + 1] += 1
 
     def _fade(self) -> None:
         """Decay the counts by the `unfaded_steps` steps observed since they were last faded: per position, what as
@@ -455,6 +554,10 @@ class AdaptiveVerify:
                     self._calibrated("step", batch, k + 1, k, time_call(engine, "step", batch, k + 1, k, start))
             if batch * engine.block_size <= max_tokens:
                 self._calibrated("step", batch, 1, drafts, time_call(engine, "step", batch, 1, drafts, start))
+            for graph in ("verify", "decode") if self.lookup_limit else ():  # what lookup drafts weigh (width 1: none)
+                for width in range(1, min(self.lookup_limit + 1, engine.block_size) + 1):
+                    if (graph, batch, width, 0) not in self.shapes_run:  # (verify at width 1 is timed above)
+                        self._calibrated(graph, batch, width, 0, time_call(engine, graph, batch, width, 0, start))
 
     def _calibrated(self, graph: str, batch: int, width: int, drafted: int, seconds: float) -> None:
         """A timed call of a shape that has run before (`time_call` warms it up): its cost as it is."""
@@ -645,17 +748,33 @@ class Scheduler:
             if not rows:
                 return emitted
         drafts = min(wanted, *(s.drafts for s in rows))
-        batch = self._batch(rows, 1 + drafts, wanted)
+        looked_up: list[int] | None = None  # lookup drafts per row, on a step that verifies none of the drafter's
+        if graph == "step":
+            batch = self._batch(rows, 1 + drafts, wanted)
+        else:
+            proposals = [s.lookup.propose(self.policy.lookup_limit) for s in rows] if self.policy.lookup_limit else []
+            extra = self.policy.lookup_drafts(graph, len(rows), [len(p) for p in proposals]) if proposals else 0
+            looked_up = [min(len(p), extra) for p in proposals] if extra else None
+            batch = self._lookup_batch(rows, proposals, extra) if extra else self._batch(rows, 1, 0)
+            drafts = extra
         began = time.perf_counter()
         out = self.engine.run(graph, batch)
         seconds = time.perf_counter() - began
         accept_lens = out.accept_len.tolist()
-        self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens, wanted if graph == "step" else 0)
+        self.policy.observe(graph, len(rows), 1 + drafts, seconds, accept_lens, wanted if graph == "step" else 0, looked_up)
         self.last_width, self.last_batch = 1 + drafts, self.last_batch + len(rows)
         self.last_graph_seconds += seconds
         drafter_context = WRITES[graph] == WRITES["step"]  # `decode` leaves the drafter's context behind
         return emitted + [
-            self._commit(s, out, row, accept_lens[row], drafts, drafter_context and not s.catch_up_tokens)  # lagging: a gap
+            self._commit(
+                s,
+                out,
+                row,
+                accept_lens[row],
+                drafts,
+                drafter_context and not s.catch_up_tokens,  # lagging: a gap
+                None if looked_up is None else looked_up[row],
+            )  # fmt: skip
             for row, s in enumerate(rows)
         ]
 
@@ -687,25 +806,44 @@ class Scheduler:
         tokens = (sequence.prompt + sequence.tokens)[first : sequence.start + 1]
         return PrefillRow(sequence.slot, tokens, float(sequence.uniforms[len(sequence.tokens)]), sequence.sampling, first)
 
-    def _batch(self, rows: list[Sequence], width: int, drafts: int) -> StepBatch:
+    def _batch(self, rows: list[Sequence], width: int, drafts: int, blocks: list[np.ndarray] | None = None) -> StepBatch:
+        """The rows' next blocks, `width` tokens each (or `blocks` given so)."""
         uniforms = np.stack([s.uniforms[len(s.tokens) : len(s.tokens) + width] for s in rows])  # [B, V]
         return StepBatch(
             slots=torch.tensor([s.slot for s in rows]),
-            block=torch.from_numpy(np.stack([s.block[:width] for s in rows])),
+            block=torch.from_numpy(np.stack(blocks or [s.block[:width] for s in rows])),
             start=torch.tensor([s.start for s in rows]),
             uniforms=torch.from_numpy(uniforms),
             sampling=SamplingTensors.of([s.sampling for s in rows], self.engine.vocab_size),
             drafts=drafts,
         )
 
+    def _lookup_batch(self, rows: list[Sequence], proposals: list[list[int]], extra: int) -> StepBatch:
+        """Each row's last token and `extra` lookup drafts (a row with fewer: its last token repeated after them; any
+        token is verified like a draft, so padding changes no output)."""
+        blocks = []
+        for sequence, proposed in zip(rows, proposals, strict=True):
+            drafts = proposed[:extra]
+            last = int(sequence.block[0])
+            blocks.append(np.array([last, *drafts, *[last] * (extra - len(drafts))], dtype=np.int64))
+        return self._batch(rows, 1 + extra, 0, blocks)
+
     @staticmethod
     def _commit(
-        sequence: Sequence, out: StepResult, row: int, accept_len: int, verified: int, drafter_context: bool
+        sequence: Sequence,
+        out: StepResult,
+        row: int,
+        accept_len: int,
+        verified: int,
+        drafter_context: bool,
+        looked_up: int | None = None,
     ) -> tuple[Sequence, list[int]]:
         """Commit one row's tokens; `drafter_context`: the call wrote the drafter's context rows too, continuing those
-        before them (not so for a row whose context `decode` steps left behind: its gap waits for a catch-up)."""
+        before them (not so for a row whose context `decode` steps left behind: its gap waits for a catch-up);
+        `looked_up`: the lookup drafts it verified, on a step that verified those."""
         tokens = out.target_tokens[row, : accept_len + 1].tolist()
-        new = sequence.commit(tokens, accept_len, verified, out.next_block[row].numpy(), int(out.next_start[row]))
+        next_block, next_start = out.next_block[row].numpy(), int(out.next_start[row])
+        new = sequence.commit(tokens, accept_len, verified, next_block, next_start, looked_up)
         if drafter_context:
             sequence.context_end = sequence.start
         return sequence, new

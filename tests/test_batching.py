@@ -128,14 +128,30 @@ class ScriptedVerify:
     graph_when_idle: str
     calls: list[str] = field(default_factory=list)  # the graphs run, catch-ups included
     idle_script: list[str] = field(default_factory=list)
+    lookup_limit: int = 0
+    lookup_script: list[int] = field(default_factory=list)  # lookup drafts asked on each step that drafts nothing
+    widths: list[int] = field(default_factory=list)  # each graph call's verify width
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         if self.idle_script:
             self.graph_when_idle = self.idle_script.pop(0)
         return self.script.pop(0) if self.script else 0
 
-    def observe(self, graph: str, batch: int, width: int, seconds: float, accept_lens: list[int], drafted: int = 0) -> None:
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        return self.lookup_script.pop(0) if self.lookup_script else 0
+
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
         self.calls.append(graph)
+        self.widths.append(width)
 
 
 SWITCHING = [0, 0, 0, 0, 0, 15, 15, 15, 0, 0, 0, 15, 15, 0, 0, 15]  # plain stretches, then the whole block
@@ -158,6 +174,47 @@ def test_plain_stretches_on_decode_catch_the_drafter_up_before_it_drafts(engine:
             assert switch_ons == (3 if idle == "decode" else 0), policy.calls
         assert runs["decode"].stats.acceptance_lengths == runs["verify"].stats.acceptance_lengths
         assert runs["decode"].stats.accepted_draft_tokens > 0
+
+
+def test_lookup_drafts_keep_outputs_exact_on_both_plain_graphs(engine: GraphEngine) -> None:
+    """Plain steps that verify lookup drafts (`runtime.lookup`) instead, on `verify` and on `decode`, beside steps
+    that draft, in a batch with sampled rows and rows that have fewer lookup drafts than asked (padded): every output
+    equals plain decoding, lookup drafts were verified and accepted, and they are not counted as the drafter's."""
+    requests = _requests(6, seed=3)
+    alone = [generate_plain(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    for idle in ("verify", "decode"):
+        served = [Sequence(list(r.prompt), r.max_new_tokens, r.sampling) for r in requests]
+        policy = ScriptedVerify(list(SWITCHING) * 3, idle, lookup_limit=4, lookup_script=[4, 2, 1, 3] * 40)
+        _run_all(Scheduler(engine, policy), served)
+        assert [r.tokens for r in served] == alone, f"{idle}: outputs differ from plain decoding"
+        assert max(policy.widths) == 1 + engine.block_size - 1 and 5 in policy.widths  # steps that draft, and lookups
+        assert sum(r.stats.lookup_tokens for r in served) > 0 and sum(r.stats.lookup_accepted for r in served) > 0
+        for r in served:  # the drafter's steps verify whole blocks; lookup steps 1-4 tokens, counted apart
+            assert r.stats.draft_tokens % (engine.block_size - 1) == 0 and r.stats.lookup_accepted <= r.stats.lookup_tokens
+
+
+def test_adaptive_verify_weighs_lookup_drafts_by_their_cost_and_acceptance() -> None:
+    """`AdaptiveVerify.lookup_drafts`: the width that maximises expected tokens per second from the measured cost of
+    each width and the lookup drafts' measured acceptance; none where wider steps cost more than they bring, where a
+    width's cost is unknown, or where no row has a lookup draft. Lookup steps teach lookup acceptance only."""
+    policy = AdaptiveVerify(16)
+    for width, seconds in ((1, 0.030), (2, 0.031), (3, 0.032), (4, 0.033), (5, 0.034)):
+        policy.costs.record(f"decode@{width}", 1, seconds)
+    assert policy.lookup_drafts("decode", 1, [0]) == 0  # nothing to verify
+    assert policy.lookup_drafts("verify", 1, [4]) == 0  # no cost measured for that graph
+    assert policy.lookup_drafts("decode", 1, [4]) == 4  # the prior: each draft accepted half the times it is reached
+    assert policy.lookup_drafts("decode", 1, [2]) == 2  # a row with two drafts gains nothing from a wider step
+    first_reached = policy.reached.copy()
+    for _ in range(200):  # lookup drafts that are never accepted
+        policy.observe("decode", 1, 5, 0.034, [0], looked_up=[4])
+    assert policy.lookup_drafts("decode", 1, [4]) == 0
+    assert (policy.reached == first_reached).all(), "lookup steps teach nothing about the drafter's drafts"
+    for _ in range(200):  # the first lookup draft always accepted, the second never
+        policy.observe("decode", 1, 5, 0.034, [1], looked_up=[4])
+    assert policy.lookup_drafts("decode", 1, [4]) == 1
+    for width in range(2, 6):  # any lookup draft made as costly as a second step
+        policy.costs.seconds[f"decode@{width}"] = {1: 0.060}
+    assert policy.lookup_drafts("decode", 1, [4]) == 0
 
 
 def test_verify_steps_after_decode_steps_leave_the_gap_to_the_catch_up(engine: GraphEngine) -> None:

@@ -226,6 +226,8 @@ def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),
         (["--num-prompts", "0"], "--num-prompts 0: give at least 1"),
         (["--repeats", "0"], "--repeats 0: give at least 1"),
+        (["--lookup-drafts", "-1"], "--lookup-drafts -1: give at least 0"),
+        (["--lookup-drafts", "16"], "--lookup-drafts 16: a step verifies at most 15 drafts on this engine (block size 16)"),
         (["--concurrency", "1,x"], "--concurrency '1,x': give comma-separated client counts of at least 1"),
         (["--concurrency", "0"], "--concurrency '0': give comma-separated client counts of at least 1"),
         (["--max-tokens", "100000"], "prompt 1 of --dataset builtin: prompt ("),

@@ -28,7 +28,7 @@ from dflash_trt.runtime.detokenize import TextStream
 from dflash_trt.runtime.loop import Sequence, StopCriteria
 from dflash_trt.runtime.repository import load_engine
 from dflash_trt.runtime.sampling import RequestError, SamplingParams, request_text
-from dflash_trt.runtime.scheduler import PREFILL_CHUNK, AdaptiveVerify, Scheduler
+from dflash_trt.runtime.scheduler import LOOKUP_LIMIT, PREFILL_CHUNK, AdaptiveVerify, Scheduler
 from transformers import AutoTokenizer
 
 IDLE_WAIT_SECONDS = 0.5  # how long the serving thread sleeps on an empty queue before looking again
@@ -46,6 +46,15 @@ def _prefill_chunk(value: str) -> int:
         raise ValueError(
             f"prefill_chunk_tokens={value!r} in config.pbtxt: give the prompt tokens to prefill between two steps (e.g. "
             f"{PREFILL_CHUNK}), or set enable_chunked_context to false to prefill whole prompts"
+        )
+    return int(value)
+
+
+def _lookup_drafts(value: str, block_size: int) -> int:
+    if not value.isdigit() or int(value) >= block_size:
+        raise ValueError(
+            f"lookup_drafts={value!r} in config.pbtxt: give the most lookup drafts a step verifies, 0 to {block_size - 1} "
+            f"on this engine (default {LOOKUP_LIMIT}; 0: none)"
         )
     return int(value)
 
@@ -150,7 +159,8 @@ class TritonPythonModel:
         self.engine, self.manifest = load_engine(version_dir / params["engine_dir"]["string_value"], reuse_prefixes=reuse)
         self.tokenizer = AutoTokenizer.from_pretrained(root / params["tokenizer_dir"]["string_value"])
         self.eos_ids = tuple(self.manifest["eos_token_ids"])
-        self.scheduler = Scheduler(self.engine, AdaptiveVerify.calibrated(self.engine), prefill_chunk=chunk)
+        lookup = _lookup_drafts(_parameter(params, "lookup_drafts", str(LOOKUP_LIMIT)), self.engine.block_size)
+        self.scheduler = Scheduler(self.engine, AdaptiveVerify.calibrated(self.engine, lookup), prefill_chunk=chunk)
         self.metrics = Metrics()
         self.inbox: queue.Queue[Client | Stop] = queue.Queue()  # in arrival order: a stop never overtakes its request
         self.clients: dict[int, Client] = {}  # id(sequence) -> client

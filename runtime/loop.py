@@ -79,13 +79,14 @@ class GenerationStats:
         if not self.position_reached_counts:
             self.position_reached_counts = [0] * (self.block_size - 1)
 
-    def record_step(self, verified: int, accept_len: int, emitted: int, looked_up: int | None = None) -> None:
-        """A step that verified `verified` drafts of the drafter, or with `looked_up` that many lookup drafts."""
+    def record_step(self, verified: int, accept_len: int, emitted: int, lookup: bool = False) -> None:
+        """A step that verified `verified` drafts of the drafter, or with `lookup` that many lookup drafts (a row's
+        padding among them: a guess like any other)."""
         self.steps += 1
         self.acceptance_lengths.append(emitted)
-        if looked_up is not None:
-            self.lookup_tokens += looked_up
-            self.lookup_accepted += min(accept_len, looked_up)  # (a padding slot's token can match the target's too)
+        if lookup:
+            self.lookup_tokens += verified
+            self.lookup_accepted += accept_len
             return
         self.draft_tokens += verified
         for slot in range(accept_len):
@@ -96,6 +97,16 @@ class GenerationStats:
     @property
     def accepted_draft_tokens(self) -> int:
         return sum(self.position_accept_counts)
+
+    @property
+    def verified_drafts(self) -> int:
+        """Drafts of both kinds the target verified: the drafter's and lookup drafts."""
+        return self.draft_tokens + self.lookup_tokens
+
+    @property
+    def accepted_drafts(self) -> int:
+        """Of `verified_drafts`, accepted."""
+        return self.accepted_draft_tokens + self.lookup_accepted
 
     @property
     def tau(self) -> float:
@@ -184,10 +195,10 @@ class Sequence:
         verified: int,
         next_block: np.ndarray,
         next_start: int,
-        looked_up: int | None = None,
+        lookup: bool = False,
     ) -> list[int]:
         """Take one step's tokens (the accepted drafts and the bonus token): returns what to send, sets `finished`.
-        `looked_up`: the step verified that many lookup drafts instead of the drafter's."""
+        `lookup`: the `verified` drafts were lookup drafts, not the drafter's."""
         before = len(self.tokens)
         self.tokens.extend(emitted[: self.max_new_tokens - before])
         end = self.stop.first_stop(self.tokens, before)
@@ -196,7 +207,7 @@ class Sequence:
             self.stats.finish_reason = "stop"
         self.lookup.feed(self.tokens[before:])
         if before:  # the prefill's first token is not a step
-            self.stats.record_step(verified, accept_len, len(self.tokens) - before, looked_up)
+            self.stats.record_step(verified, accept_len, len(self.tokens) - before, lookup)
             self.stats.decode_seconds = time.perf_counter() - self.began
         else:
             self.stats.prefill_seconds = time.perf_counter() - self.began

@@ -773,7 +773,7 @@ class Scheduler:
                 accept_lens[row],
                 drafts,
                 drafter_context and not s.catch_up_tokens,  # lagging: a gap
-                None if looked_up is None else looked_up[row],
+                looked_up is not None,
             )  # fmt: skip
             for row, s in enumerate(rows)
         ]
@@ -836,14 +836,14 @@ class Scheduler:
         accept_len: int,
         verified: int,
         drafter_context: bool,
-        looked_up: int | None = None,
+        lookup: bool = False,
     ) -> tuple[Sequence, list[int]]:
         """Commit one row's tokens; `drafter_context`: the call wrote the drafter's context rows too, continuing those
         before them (not so for a row whose context `decode` steps left behind: its gap waits for a catch-up);
-        `looked_up`: the lookup drafts it verified, on a step that verified those."""
+        `lookup`: the `verified` drafts were lookup drafts."""
         tokens = out.target_tokens[row, : accept_len + 1].tolist()
         next_block, next_start = out.next_block[row].numpy(), int(out.next_start[row])
-        new = sequence.commit(tokens, accept_len, verified, next_block, next_start, looked_up)
+        new = sequence.commit(tokens, accept_len, verified, next_block, next_start, lookup)
         if drafter_context:
             sequence.context_end = sequence.start
         return sequence, new

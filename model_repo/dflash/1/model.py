@@ -105,8 +105,8 @@ class Metrics:
     """Counters, gauges and histograms on Triton's metrics port (label model="dflash")."""
 
     FAMILIES = {
-        "draft": ("dflash_draft_tokens_total", "Draft tokens verified by the target", "COUNTER"),
-        "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target", "COUNTER"),
+        "draft": ("dflash_draft_tokens_total", "Draft tokens verified by the target (drafter and lookup)", "COUNTER"),
+        "accepted": ("dflash_accepted_draft_tokens_total", "Draft tokens accepted by the target (drafter and lookup)", "COUNTER"),
         "steps": ("dflash_steps_total", "Batched draft-verify steps", "COUNTER"),
         "tokens": ("dflash_generated_tokens_total", "Tokens generated", "COUNTER"),
         "prompt": ("dflash_prompt_tokens_total", "Prompt tokens of finished requests", "COUNTER"),
@@ -320,8 +320,8 @@ class TritonPythonModel:
     def _finish(self, client: Client) -> None:
         self.clients.pop(id(client.sequence), None)
         stats = client.sequence.stats
-        self.metrics.add("draft", stats.draft_tokens)
-        self.metrics.add("accepted", stats.accepted_draft_tokens)
+        self.metrics.add("draft", stats.verified_drafts)  # the drafter's and lookup drafts
+        self.metrics.add("accepted", stats.accepted_drafts)
         self.metrics.add("tokens", len(client.sequence.tokens))
         self.metrics.add("prompt", len(client.sequence.prompt))
         self.metrics.add("reused", stats.reused_prompt_tokens)
@@ -348,9 +348,9 @@ class TritonPythonModel:
         arrays = {  # each [1, ...]: the request's one batch row
             "output_ids": np.asarray([new], dtype=np.int64),
             "text_output": np.array([[text.encode("utf-8")]], dtype=object),
-            "total_draft_tokens": np.asarray([[stats.draft_tokens]], dtype=np.int64),
-            "total_accepted_draft_tokens": np.asarray([[stats.accepted_draft_tokens]], dtype=np.int64),
-            "acceptance_rate": np.asarray([[stats.acceptance_rate]], dtype=np.float32),
+            "total_draft_tokens": np.asarray([[stats.verified_drafts]], dtype=np.int64),  # the drafter's and lookup's
+            "total_accepted_draft_tokens": np.asarray([[stats.accepted_drafts]], dtype=np.int64),
+            "acceptance_rate": np.asarray([[stats.accepted_drafts / max(stats.verified_drafts, 1)]], dtype=np.float32),
             "total_steps": np.asarray([[stats.steps]], dtype=np.int64),
             "total_output_tokens": np.asarray([[len(sequence.tokens)]], dtype=np.int64),
             "reused_prompt_tokens": np.asarray([[stats.reused_prompt_tokens]], dtype=np.int64),

@@ -70,57 +70,46 @@ class VerifyPolicy(Protocol):
         `looked_up`: the lookup drafts each row verified, where the call verified those."""
 
 
+class StaticPolicy:
+    """A policy whose choices do not depend on what steps cost or accept (nothing to observe), with no lookup drafts."""
+
+    lookup_limit = 0
+
+    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
+        return 0
+
+    def observe(
+        self,
+        graph: str,
+        batch: int,
+        width: int,
+        seconds: float,
+        accept_lens: list[int],
+        drafted: int = 0,
+        looked_up: list[int] | None = None,
+    ) -> None:
+        pass
+
+
 @dataclass
-class FixedVerify:
+class FixedVerify(StaticPolicy):
     """Always verify `drafts` drafted tokens (block_size - 1: the whole block)."""
 
     drafts: int
     graph_when_idle: str = "verify"
-    lookup_limit: int = 0
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         return self.drafts
 
-    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
-        return 0
-
-    def observe(
-        self,
-        graph: str,
-        batch: int,
-        width: int,
-        seconds: float,
-        accept_lens: list[int],
-        drafted: int = 0,
-        looked_up: list[int] | None = None,
-    ) -> None:
-        pass
-
 
 @dataclass
-class PlainDecoding:
+class PlainDecoding(StaticPolicy):
     """No drafting at all: the `decode` graph, one token per step (the baseline on the same engine)."""
 
     graph_when_idle: str = "decode"
-    lookup_limit: int = 0
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         return 0
-
-    def lookup_drafts(self, graph: str, batch: int, available: list[int]) -> int:
-        return 0
-
-    def observe(
-        self,
-        graph: str,
-        batch: int,
-        width: int,
-        seconds: float,
-        accept_lens: list[int],
-        drafted: int = 0,
-        looked_up: list[int] | None = None,
-    ) -> None:
-        pass
 
     def calibrate(self, engine: GraphEngine, context: int = 256) -> None:
         """Run the `decode` graph once at batch 1, 2, 4 ... (up to the free slots): the shapes a load then uses have

@@ -499,29 +499,21 @@ class AdaptiveVerify:
         self._fade()
         self.drafted_rows += len(accept_lens)
         for accept_len in accept_lens:
-            self.reached[1 : min(accept_len + 2, width)] += 1  # drafts 1..accept_len+1 were reached
-            self.accepted[1 : accept_len + 1] += 1
+            _count_drafts(self.reached, self.accepted, accept_len, width - 1)
 
     def _learn_lookup(self, accept_lens: list[int], looked_up: list[int]) -> None:
         """Count what a step's lookup drafts reached and had accepted (rows that had none count nothing); the counts
         decay by `decay` per step that verified lookup drafts, down to `evidence_floor` per position."""
-        floor_share = self.evidence_floor / self.lookup_reached
-        fading = np.where(floor_share < 1.0, np.maximum(self.decay, floor_share), 1.0)
-        self.lookup_reached *= fading
-        self.lookup_accepted *= fading
+        _decay_counts(self.lookup_reached, self.lookup_accepted, self.decay, self.evidence_floor)
         for accept_len, have in zip(accept_lens, looked_up, strict=True):
-            self.lookup_reached[1 : min(accept_len + 2, have + 1)] += 1  # drafts 1..accept_len+1 were reached
-            self.lookup_accepted[1 : min(accept_len, have) + 1] += 1
+            _count_drafts(self.lookup_reached, self.lookup_accepted, accept_len, have)
 
     def _fade(self) -> None:
         """Decay the counts by the `unfaded_steps` steps observed since they were last faded: per position, what as
         many steps of decay by `decay` leave, down to `evidence_floor` (counts at or under it stay)."""
         if not self.unfaded_steps:
             return
-        floor_share = self.evidence_floor / self.reached  # [B]
-        fading = np.where(floor_share < 1.0, np.maximum(self.decay**self.unfaded_steps, floor_share), 1.0)  # [B]
-        self.reached *= fading
-        self.accepted *= fading
+        _decay_counts(self.reached, self.accepted, self.decay**self.unfaded_steps, self.evidence_floor)
         self.unfaded_steps = 0
 
     def calibrate(self, engine: GraphEngine, max_tokens: int = 256, context: int = 256) -> None:
@@ -552,6 +544,22 @@ class AdaptiveVerify:
         """A timed call of a shape that has run before (`time_call` warms it up): its cost as it is."""
         self.shapes_run.add((graph, batch, width, drafted))
         self._record_cost(graph, batch, width, seconds, drafted)
+
+
+def _count_drafts(reached: np.ndarray, accepted: np.ndarray, accept_len: int, verified: int) -> None:
+    """In place, one row of a step that verified `verified` drafts and accepted `accept_len` (a padding slot can
+    match too; only the first `verified` count): drafts 1..accept_len+1 were reached, 1..accept_len accepted."""
+    reached[1 : min(accept_len + 2, verified + 1)] += 1
+    accepted[1 : min(accept_len, verified) + 1] += 1
+
+
+def _decay_counts(reached: np.ndarray, accepted: np.ndarray, factor: float, floor: float) -> None:
+    """In place, per position: both counts times `factor`, but the reached count not below `floor` (at or under it,
+    they stay)."""
+    floor_share = floor / reached  # [B]
+    fading = np.where(floor_share < 1.0, np.maximum(factor, floor_share), 1.0)  # [B]
+    reached *= fading
+    accepted *= fading
 
 
 def _rates(batch: int, acceptance: np.ndarray, costs: np.ndarray) -> np.ndarray:

@@ -134,6 +134,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    draft_vocab_size: int = 0  # trained to draft only ids below this (dflash-train --draft-vocab); 0: the whole vocabulary
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -354,6 +355,7 @@ def parse_drafter_config(raw: dict[str, Any], where: str = "drafter") -> Drafter
         input_embedding_scale=float(_dflash_value(raw, "input_embedding_scale", 1.0)),
         output_multiplier=float(_dflash_value(raw, "output_multiplier", 1.0)),
         final_logit_softcapping=None if softcap is None or float(softcap) <= 0 else float(softcap),
+        draft_vocab_size=int(_dflash_value(raw, "draft_vocab_size", 0) or 0),
     )
 
 

@@ -136,7 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="N",
         help="the drafter proposes only token ids below N: its LM head cut to the first N rows, a cheaper draft (the "
         "target verifies every token, so output never changes; byte-level BPE ids run roughly by frequency); 0: the "
-        "whole vocabulary. ONNX engines (onnxruntime, tensorrt)",
+        "whole vocabulary, or the drafter's own draft_vocab_size if dflash-train gave it one (then at most that). "
+        "ONNX engines (onnxruntime, tensorrt)",
     )
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: one per core)")
     parser.add_argument("--no-chat-template", action="store_true", help="serve raw prompts instead of chat-templated ones")
@@ -208,15 +209,23 @@ def calibrate(
     return collect_linear_inputs(target, drafter, windows, block_size)
 
 
-def _draft_vocab(draft_vocab: int, vocab_size: int, backend: str) -> int:
-    """The ids to cut the drafter's LM head to; 0: nothing to cut (--draft-vocab 0, or the whole vocabulary)."""
+def _draft_vocab(draft_vocab: int, vocab_size: int, backend: str, trained_vocab: int = 0) -> int:
+    """The ids to cut the drafter's LM head to; 0: nothing to cut (--draft-vocab 0, or the whole vocabulary).
+    trained_vocab: the drafter's dflash_config.draft_vocab_size (0: none), the default and the most allowed."""
     if not 0 <= draft_vocab <= vocab_size:
         raise ValueError(
             f"--draft-vocab {draft_vocab} must be in [1, {vocab_size}] (the target's vocabulary), or 0 for all of it"
         )
-    if draft_vocab and backend == "torch-cuda":
+    if trained_vocab and draft_vocab > trained_vocab:
         raise ValueError(
-            "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); torch-cuda "
+            f"--draft-vocab {draft_vocab}: the drafter was trained to draft only ids below {trained_vocab} (its "
+            f"dflash_config.draft_vocab_size) and never learnt the others; pass {trained_vocab} or less, or leave it out"
+        )
+    draft_vocab = draft_vocab or trained_vocab
+    if draft_vocab and backend == "torch-cuda":
+        why = "--draft-vocab" if draft_vocab != trained_vocab else f"the drafter's draft_vocab_size {trained_vocab}"
+        raise ValueError(
+            f"{why} cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); torch-cuda "
             "runs the checkpoints as they are"
         )
     return 0 if draft_vocab == vocab_size else draft_vocab
@@ -244,7 +253,8 @@ def build(args: argparse.Namespace) -> Path | None:
         return build_trtllm(args, target_config, drafter_config, block)
     _check_limits(args, block, target_config.max_position_embeddings)  # before --plan: no plan of a refused build
     backend = choose_backend(args.backend)
-    draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend)
+    trained_vocab = drafter_config.draft_vocab_size if drafter_config else 0
+    draft_vocab = _draft_vocab(args.draft_vocab, target_config.vocab_size, backend, trained_vocab)
     if args.plan:
         print_plan(args, target_config, drafter_config, block, backend)
         return None
@@ -321,8 +331,9 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
             "--quantize/--quantize-drafter quantize this toolkit's own engines; TensorRT-LLM loads quantized weights "
             "from the checkpoint: pass a quantized checkpoint (e.g. an FP8 one) as --model"
         )
-    if args.draft_vocab:
-        raise ValueError("--draft-vocab cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
+    if args.draft_vocab or (drafter and drafter.draft_vocab_size):
+        why = "--draft-vocab" if args.draft_vocab else f"the drafter's draft_vocab_size {drafter and drafter.draft_vocab_size}"
+        raise ValueError(f"{why} cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
     parallel = Parallelism(args.tp, args.pp, args.ep)
     check_parallelism(target, parallel)
     alias = ALIASES.get(args.model.lower())

@@ -58,9 +58,18 @@ def drafter_config_dict(
     mask_token_id: int | None = None,
     num_taps: int | None = None,
     intermediate_size: int | None = None,
+    draft_vocab: int = 0,
 ) -> dict[str, Any]:
-    """A z-lab DFlashDraftModel config.json for this target (Qwen3 fields plus dflash_config)."""
+    """A z-lab DFlashDraftModel config.json for this target (Qwen3 fields plus dflash_config; `draft_vocab` > 0:
+    dflash_config.draft_vocab_size, the drafter drafts only ids below it)."""
     taps = build_target_layer_ids(target.num_layers, num_taps or num_layers)
+    dflash_config = {
+        "block_size": block_size,
+        "mask_token_id": choose_mask_token_id(target.vocab_size, None) if mask_token_id is None else mask_token_id,
+        "target_layer_ids": taps,
+    }
+    if draft_vocab:
+        dflash_config["draft_vocab_size"] = draft_vocab
     return {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -80,11 +89,7 @@ def drafter_config_dict(
         "tie_word_embeddings": False,
         "num_target_layers": target.num_layers,
         "dtype": "float32",
-        "dflash_config": {
-            "block_size": block_size,
-            "mask_token_id": choose_mask_token_id(target.vocab_size, None) if mask_token_id is None else mask_token_id,
-            "target_layer_ids": taps,
-        },
+        "dflash_config": dflash_config,
     }
 
 

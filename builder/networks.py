@@ -447,7 +447,9 @@ class DrafterNetwork(nn.Module):
 
 def draft_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, config: DrafterConfig) -> torch.Tensor:
     """hidden: [B, S, E] -> logits [B, S, V] through the target's lm_head (drafters carry none)."""
-    logits = F.linear(hidden, lm_head_weight) * config.output_multiplier
+    logits = F.linear(hidden, lm_head_weight)
+    if config.output_multiplier != 1.0:  # x * 1.0 is x: no pass over [B, S, V] for nothing
+        logits = logits * config.output_multiplier
     if config.final_logit_softcapping is not None:
         cap = config.final_logit_softcapping
         logits = torch.tanh(logits / cap) * cap

@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         help="share of each sequence's blocks started inside the target's answer, before its first end-of-turn token "
         "(0: anywhere after the prompt; answers decoded past their end of turn are mostly that filler)",
     )  # fmt: skip
+    parser.add_argument(
+        "--draft-vocab", type=int, default=0, metavar="N",
+        help="train the drafter to draft only token ids below N, as `dflash-build --draft-vocab N` drafts (recorded in "
+        "its config as dflash_config.draft_vocab_size, which dflash-build then applies): the LM-head product and "
+        "softmax of a step cost N/V of the whole vocabulary's; 0: the whole vocabulary",
+    )  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -296,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target_dir = resolve_checkpoint(args.target)
         target_config = parse_target_config(read_config_json(target_dir))
+        if not 0 <= args.draft_vocab <= target_config.vocab_size:  # before the answers and taps, which take hours
+            raise CheckpointError(
+                f"--draft-vocab {args.draft_vocab} must be in [1, {target_config.vocab_size}] (the target's vocabulary), "
+                "or 0 for all of it"
+            )
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         mask_token_id = args.mask_token_id
         if mask_token_id is None:
@@ -322,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as error:
         print(f"dflash-train: error: {error}", file=sys.stderr)
         return 2
-    config = drafter_config_dict(target_config, args.layers, args.block_size, mask_token_id, args.taps or None)
+    draft_vocab = 0 if args.draft_vocab == target_config.vocab_size else args.draft_vocab
+    config = drafter_config_dict(
+        target_config, args.layers, args.block_size, mask_token_id, args.taps or None, draft_vocab=draft_vocab
+    )
 
     drafter = init_drafter(config, seed=args.seed)
     tapped_layers = tuple(parse_drafter_config(config).target_layer_ids)
@@ -342,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         save_examples(taps_path, examples, fingerprint)
     settings = TrainSettings(
         args.steps, args.learning_rate, args.sequences_per_step, args.anchors, seed=args.seed, compute_dtype=dtype,
-        answer_anchor_share=args.answer_anchors,
+        answer_anchor_share=args.answer_anchors, draft_vocab=draft_vocab,
     )  # fmt: skip
 
     checkpoint_path = args.output / "checkpoint.pt"

@@ -11,6 +11,11 @@ given the sequence's tokens before it, and only while that is what greedy decodi
 i.e. while every token a+1..a+k-1 of the sequence is itself the target's argmax (always, in the target's own
 responses; in real text, up to the first token the target would not have written). Loss: cross-entropy on those
 slots, slot k weighted exp(-(k-1)/gamma).
+
+With a draft vocabulary of N ids (`dflash-build --draft-vocab N`: the drafter proposes only ids below N), the
+drafter is trained as it will draft: its logits are the head's first N rows, and a slot is trained only while every
+label up to it is below N (a draft can never be a larger id, so greedy verification stops there). The head's
+product and the softmax then cost N/V of the whole vocabulary's.
 """
 
 from __future__ import annotations
@@ -186,19 +191,33 @@ def dflash_block_loss(
     labels: torch.Tensor,
     anchors: torch.Tensor,
     weights: torch.Tensor,
+    vocab: int = 0,
 ) -> LossTerms:
-    """tokens, labels: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence."""
+    """tokens, labels: [L], taps: [L, n*E], anchors: [K] -> position-weighted CE over the K blocks of one sequence,
+    drafting from the first `vocab` token ids (0: all)."""
     size, count = drafter.config.block_size, anchors.shape[0]
     hidden, positions = draft_blocks(drafter, target, tokens, taps, anchors)  # [K, B, E], [K, B]
+    slot_labels = labels[positions[:, 1:]]  # [K, B-1]: slot j predicts the target's token at its own position
     trained = greedy_slots(tokens, labels, anchors, size)  # [K, B-1]
-    logits = draft_logits(hidden[:, 1:][trained], target.lm_head.weight, drafter.config)  # [N, V]: trained slots only
-    targets = labels[positions[:, 1:]][trained]  # [N]: slot j predicts the target's token at its own position
+    if vocab:
+        trained &= (slot_labels < vocab).long().cumprod(-1).bool()  # no draft reaches past a label it cannot propose
+    head = draft_head(target, vocab)  # [V', E]
+    logits = draft_logits(hidden[:, 1:][trained], head, drafter.config)  # [N, V']: trained slots only
+    targets = slot_labels[trained]  # [N]
     per_slot = F.cross_entropy(logits.float(), targets, reduction="none")  # [N]
     slot_weight = weights.expand(count, -1)[trained]  # [N]
     loss = (per_slot * slot_weight).sum() / (count * weights.sum())  # an untrained slot adds nothing
-    first_slot = trained.flatten().cumsum(0).view(count, -1)[:, 0] - 1  # [K]: each block's slot 1 among the N
-    accuracy = (logits[first_slot].argmax(-1) == targets[first_slot]).float().mean().item()
+    first_trained = trained[:, 0]  # [K]: slot 1 is untrained only where its label is outside the draft vocabulary
+    first_slot = trained.flatten().cumsum(0).view(count, -1)[first_trained, 0] - 1  # each such block's slot 1 among the N
+    hits = logits[first_slot].argmax(-1) == targets[first_slot]  # a block whose slot 1 cannot be drafted is a miss
+    accuracy = hits.float().sum().item() / count
     return LossTerms(loss, accuracy)
+
+
+def draft_head(target: TargetNetwork, vocab: int = 0) -> torch.Tensor:
+    """[V', E]: the rows of the target's LM head that the drafter drafts from, the first `vocab` (0: all)."""
+    head = target.lm_head.weight
+    return head[:vocab] if vocab else head
 
 
 def draft_blocks(
@@ -239,12 +258,14 @@ def greedy_acceptance(
     example: TrainingExample,
     anchors: torch.Tensor,
     slots: int | None = None,
+    vocab: int = 0,
 ) -> torch.Tensor:
     """anchors: [K] with a + B - 1 < L -> [K]: how many drafts of the block at each anchor greedy verification
     accepts (leading slots whose draft argmax is the target's greedy token; the sequence must be the target's own
-    greedy answer from the anchors on), the drafter denoising `slots` block slots (default: all)."""
+    greedy answer from the anchors on), the drafter denoising `slots` block slots (default: all) and drafting from
+    the first `vocab` token ids (0: all)."""
     hidden, positions = draft_blocks(drafter, target, example.tokens, example.taps, anchors, slots)  # [K, S, E], [K, S]
-    drafts = draft_logits(hidden[:, 1:], target.lm_head.weight, drafter.config).argmax(-1)  # [K, S-1]
+    drafts = draft_logits(hidden[:, 1:], draft_head(target, vocab), drafter.config).argmax(-1)  # [K, S-1]
     matches = drafts == example.labels[positions[:, 1:]]
     return matches.long().cumprod(-1).sum(-1)
 
@@ -260,6 +281,7 @@ class TrainSettings:
     seed: int = 0
     answer_anchor_share: float = 0.0  # share of each sequence's anchors drawn inside its answer (see sample_anchors)
     compute_dtype: torch.dtype = torch.bfloat16  # autocast for forward/backward; master weights stay float32
+    draft_vocab: int = 0  # the drafter drafts from the first draft_vocab token ids (0: all; see the module's doc)
 
 
 def train_drafter(
@@ -298,6 +320,7 @@ def train_drafter(
                 dflash_block_loss(
                     drafter, target, e.tokens, e.taps, e.labels,
                     sample_anchors(generator, e, size, settings.anchors_per_sequence, settings.answer_anchor_share), weights,
+                    settings.draft_vocab,
                 )
                 for e in chosen
             ]  # fmt: skip

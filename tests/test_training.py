@@ -42,6 +42,7 @@ from dflash_trt.builder.training import (
     TrainingExample,
     answer_end,
     dflash_block_loss,
+    draft_blocks,
     generate_responses,
     greedy_acceptance,
     greedy_slots,
@@ -150,6 +151,50 @@ def test_untrained_slots_do_not_move_the_loss(tiny_targets: dict[str, Path], qwe
     first_slot = example.labels.clone()
     first_slot[int(anchors[0]) + 1] = (first_slot[int(anchors[0]) + 1] + 1) % 90
     assert loss(first_slot) != loss(example.labels)
+
+
+def test_a_draft_vocabulary_trains_only_what_the_drafter_can_draft(
+    tiny_targets: dict[str, Path],
+    qwen3_target,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """With a draft vocabulary of 48 of the tiny target's 96 ids: the head's rows from 48 on move neither the loss
+    nor greedy acceptance, a block's slots past its first label outside the vocabulary are not trained, and the
+    loss is the cross-entropy over the first 48 logits of the trained slots."""
+    drafter = load_drafter(write_tiny_drafter(tiny_targets["qwen3"], tmp_path / "d", target_layer_ids=[1, 3]))
+    keep, anchors, weights = 48, torch.tensor([3, 9, 20]), slot_weights(16, 7.0)
+    tokens = torch.randint(1, keep, (40,), generator=torch.Generator().manual_seed(7))
+    tokens[9 + 4], tokens[20 + 1] = 60, 70  # block 2's slot 4 and block 3's slot 1 cannot be drafted
+    example = make_examples(qwen3_target, [tokens], [3])[0]
+    example = TrainingExample(tokens, example.taps, tokens.clone(), 3, 40)  # as if the target had written it all
+
+    def loss(tokens: torch.Tensor, vocab: int = keep) -> float:
+        terms = dflash_block_loss(drafter, qwen3_target, tokens, example.taps, tokens, anchors, weights, vocab)
+        return terms.loss.item()
+
+    head = qwen3_target.lm_head.weight
+    with torch.no_grad():
+        hidden, positions = draft_blocks(drafter, qwen3_target, tokens, example.taps, anchors)  # [3, 16, E], [3, 16]
+        trained = torch.ones(3, 15, dtype=torch.bool)
+        trained[0, 9:], trained[1, 3:], trained[2] = False, False, False  # blocks 1 and 2 both reach position 13
+        targets = tokens[positions[:, 1:]][trained]
+        per_slot = torch.nn.functional.cross_entropy(hidden[:, 1:][trained] @ head[:keep].T, targets, reduction="none")
+        expected = (per_slot * weights.expand(3, -1)[trained]).sum() / (3 * weights.sum())
+    assert loss(tokens) == pytest.approx(expected.item(), rel=1e-5)
+    moved = tokens.clone()
+    moved[9 + 6], moved[20 + 3] = (moved[9 + 6] + 1) % keep, (moved[20 + 3] + 1) % keep  # past the undraftable labels
+    assert loss(moved) == loss(tokens) and loss(moved, 0) != loss(tokens, 0)  # all 45 slots trained with every id
+    accepted = greedy_acceptance(drafter, qwen3_target, example, anchors, vocab=keep)
+    original = head.detach().clone()
+    with torch.no_grad():
+        head[keep:] = torch.randn_like(head[keep:]) * 10  # rows the drafter never drafts from
+    try:
+        assert loss(tokens) == pytest.approx(expected.item(), rel=1e-5)
+        assert greedy_acceptance(drafter, qwen3_target, example, anchors, vocab=keep).equal(accepted)
+        assert loss(tokens, 0) != pytest.approx(expected.item(), rel=1e-3)
+    finally:
+        with torch.no_grad():
+            head.copy_(original)
 
 
 def test_greedy_acceptance_counts_leading_drafts_equal_to_the_targets_tokens(

@@ -973,6 +973,14 @@ TWO_LISTS_RULES: tuple[tuple[str, str, str, Callable[[list[str], list[str]], obj
 )  # fmt: skip
 
 
+def _thirds_down_to_one(n: int) -> list[int]:
+    thirds = []
+    while n > 0:
+        thirds.append(n)
+        n //= 3
+    return thirds
+
+
 def _halve_until_odd(n: int) -> int:
     while n % 2 == 0:
         n //= 2
@@ -988,8 +996,8 @@ WHOLE_NUMBER_RULES: tuple[tuple[str, str, str, Callable[[int], object]], ...] = 
      lambda n: max(_digits(n)) - min(_digits(n))),
     ("halve_until_odd", "int", "Divide n (a positive number) by two for as long as it is even, and return what is "
      "left.", _halve_until_odd),
-    ("count_down_by_threes", "List[int]", "Return n, n - 3, n - 6, and so on, for as long as the numbers are "
-     "positive.", lambda n: list(range(n, 0, -3))),
+    ("thirds_down_to_one", "List[int]", "Return n, then n divided by three (rounded down), and so on, for as long "
+     "as the numbers are positive.", _thirds_down_to_one),
 )  # fmt: skip
 
 

@@ -13,6 +13,9 @@ does (so tau_full_block then means S tokens at most per step):
     python scripts/drafter_acceptance.py --drafter builder/drafters/smollm2-135m-dflash /tmp/new \\
         --dataset humaneval --num-prompts 20 --max-tokens 128 [--block-slots 3]
 
+Each drafter drafts from its own draft vocabulary (dflash_config.draft_vocab_size, as `dflash-build` cuts it) or
+from the first --draft-vocab N ids (as `dflash-build --draft-vocab N`); 0: the whole vocabulary.
+
 With --answers DATA (a `dflash-train` data file, OUTPUT/data-SET.pt) the drafters draft over --num-prompts of
 the target's answers cached there (evenly spread over the file, which is sorted by prompt length) instead: a
 prompt set one drafter trained on and another did not tells memorising from a gap between training prompts and
@@ -67,6 +70,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--block-slots", type=int, help="block slots the drafter denoises (default: its block size)")
     parser.add_argument("--answers", type=Path, help="a dflash-train data file (data-SET.pt) instead of --dataset")
+    parser.add_argument("--draft-vocab", type=int, help="draft only ids below N (default: each drafter's own, else all)")
     args = parser.parse_args()
     target_dir = resolve_checkpoint(args.target)
     if args.answers is None:
@@ -78,10 +82,11 @@ def main() -> None:
         target = load_target(target_dir, tuple(drafter.config.target_layer_ids), torch.float32)
         examples = make_examples(target, answers, prompt_lengths)
         size = drafter.config.block_size
+        vocab = drafter.config.draft_vocab_size if args.draft_vocab is None else args.draft_vocab
         per_anchor, steps, slot_hits = [], [], torch.zeros(4)
         for example in examples:
             anchors = torch.arange(example.tokens.shape[0] - size + 1)
-            accepted = greedy_acceptance(drafter, target, example, anchors, args.block_slots)  # [L - B + 1]
+            accepted = greedy_acceptance(drafter, target, example, anchors, args.block_slots, vocab)  # [L - B + 1]
             in_answer = accepted[example.first_anchor :]
             per_anchor += (in_answer + 1).tolist()
             slot_hits += torch.stack([(in_answer >= k).sum() for k in range(1, 5)]).float()
@@ -89,7 +94,7 @@ def main() -> None:
         print(json.dumps({
             "drafter": str(drafter_dir), "dataset": str(args.answers or args.dataset), "prompts": len(answers),
             "max_tokens": max(len(a) - n for a, n in zip(answers, prompt_lengths, strict=True)),
-            "block_slots": args.block_slots or size,
+            "block_slots": args.block_slots or size, "draft_vocab": vocab or drafter.config.vocab_size,
             "tau_full_block": round(sum(steps) / len(steps), 3), "per_anchor": round(sum(per_anchor) / len(per_anchor), 3),
             "slot_acceptance": [round(float(h) / len(per_anchor), 3) for h in slot_hits],
         }), flush=True)  # fmt: skip

@@ -390,4 +390,6 @@ def test_puzzle_prompts_are_valid_python_and_none_is_a_humaneval_problem() -> No
     prompts = puzzle_prompts() + more_puzzle_prompts() + third_puzzle_prompts() + fourth_puzzle_prompts()
     prompts += fifth_puzzle_prompts() + sixth_puzzle_prompts()
     assert len(prompts) == 2 * len(puzzles) and prompts[0].endswith('    """\n```')
+    longest = max(prompts, key=len)  # an engine of --max-seq-len 1024 answers any with 160 new tokens (--generate-with)
+    assert len(longest) < 1200, f"a {len(longest)}-character prompt: shorten its examples\n{longest}"
     assert sum("def digit_total(n: int) -> int:" in prompt for prompt in prompts) == 2 * 2  # stub and instruction

@@ -38,6 +38,7 @@ from dflash_trt.builder.training import (
     save_examples,
     train_drafter,
 )
+from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence
 from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import encode_prompt
@@ -105,9 +106,17 @@ def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responde
 
     log(f"answers come from the engine in {repository} ({slots} slots, plain batched greedy decoding)")
     load = functools.cache(lambda: load_engine(repository, max_batch=slots, reuse_prefixes=False)[0])  # once, when needed
+    threads = torch.get_num_threads()  # the engine's runner sets torch to one thread (ONNX Runtime owns the cores)
 
     def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
-        scheduler = Scheduler(load(), PlainDecoding())
+        try:
+            return decode(load(), prompts, max_new_tokens)
+        finally:
+            torch.set_num_threads(threads)  # the taps and training that follow need every thread (2x on 2 cores)
+
+    def decode(engine: GraphEngine, prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+        torch.set_num_threads(1)
+        scheduler = Scheduler(engine, PlainDecoding())
         answers = [Sequence(prompt, max_new_tokens) for prompt in prompts]
         try:
             for answer in answers:

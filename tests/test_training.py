@@ -326,7 +326,8 @@ def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets
     tiny_targets: dict[str, Path], tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--generate-with answers the prompts by the built engine's plain batched decoding (7 prompts over 3 slots:
-    prompts join as others finish): every response equals torch's token for token."""
+    prompts join as others finish): every response equals torch's token for token, and the taps and training after
+    it get torch's threads back (the engine's runner sets torch to one thread while ONNX Runtime owns the cores)."""
 
     def run(target: Path, output: str, *extra: str) -> int:
         return dflash_train(["--target", str(target), "--output", str(tmp_path / output), "--prompt-sets", "code",
@@ -334,7 +335,13 @@ def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets
                              "--steps", "1", "--anchors", "2", "--mask-token-id", "95", *extra])  # fmt: skip
 
     assert run(tiny_targets["qwen3"], "torch") == 0
-    assert run(tiny_targets["qwen3"], "engine", "--generate-with", str(tiny_repo)) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert run(tiny_targets["qwen3"], "engine", "--generate-with", str(tiny_repo)) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     log = capsys.readouterr().err
     assert f"answers come from the engine in {tiny_repo} (3 slots" in log and "generated 7/7 responses" in log
     by_torch, by_engine = (torch.load(tmp_path / side / "data-code.pt") for side in ("torch", "engine"))

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-sets", nargs="+", choices=sorted(PROMPT_SETS), default=["code", "prose"],
         help="built-in prompt sets the target answers (each is generated and cached on its own; default: code prose; "
-        "the demo drafter: code code-puzzles code-puzzles-2 code-puzzles-3; code-methods added to code drafted "
+        "the demo drafter: code and code-puzzles to code-puzzles-6; code-methods added to code drafted "
         "HumanEval no better: see its README)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=0, help="prompts taken from each set (0: all)")

@@ -8,11 +8,13 @@ REPO=${DFLASH_DEMO_REPO:-out/smollm2-135m-dflash}
 PROMPT=${DFLASH_DEMO_PROMPT:-"Write a Python function that returns the n-th Fibonacci number."}
 # The drafter's side at 4 bits (--quantize-drafter int4) and drafting only token ids below 16,384 (--draft-vocab):
 # drafts are verified by the float32 target, so output is unchanged and drafting costs less. A repository cached
-# by an older demo or dflash-trt is rebuilt.
-CURRENT='import json, sys; from dflash_trt.runtime.graph_io import GRAPH_SCHEMA; m = json.load(open(sys.argv[1]))
+# by an older demo or dflash-trt, or built from other drafter bytes than those shipped now, is rebuilt.
+CURRENT='import json, sys; from pathlib import Path; from dflash_trt.runtime.graph_io import GRAPH_SCHEMA
+from dflash_trt.builder.repository import checkpoint_hashes; m = json.load(open(sys.argv[1]))
 print(m["quantization"].get("drafter", {}).get("mode") == "int4" and m["drafter"].get("vocab") == 16384
-      and m.get("graph_schema") == GRAPH_SCHEMA)'
-if [ "$("$BIN/python" -c "$CURRENT" "$REPO/dflash-manifest.json" 2>/dev/null)" != True ]; then
+      and m.get("graph_schema") == GRAPH_SCHEMA and m["drafter"]["sha256"] == checkpoint_hashes(Path(sys.argv[2])))'
+DRAFTER=builder/drafters/smollm2-135m-dflash
+if [ "$("$BIN/python" -c "$CURRENT" "$REPO/dflash-manifest.json" "$DRAFTER" 2>/dev/null)" != True ]; then
   "$BIN/dflash-build" --model smollm2-135m --output "$REPO" --max-seq-len 1024 --quantize-drafter int4 --draft-vocab 16384 --force
 fi
 "$BIN/dflash-serve" "$REPO" --grpc-port 18001 --http-port 18000 --metrics-port 18002 > out/demo-server.log 2>&1 &

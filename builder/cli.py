@@ -221,14 +221,28 @@ def _draft_vocab(draft_vocab: int, vocab_size: int, backend: str, trained_vocab:
             f"--draft-vocab {draft_vocab}: the drafter was trained to draft only ids below {trained_vocab} (its "
             f"dflash_config.draft_vocab_size) and never learnt the others; pass {trained_vocab} or less, or leave it out"
         )
+    if backend == "torch-cuda":
+        if draft_vocab:
+            raise ValueError(
+                "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); "
+                "torch-cuda runs the checkpoints as they are"
+            )
+        if trained_vocab:
+            _warn_uncut(trained_vocab, "torch-cuda runs the checkpoints as they are")
+        return 0
     draft_vocab = draft_vocab or trained_vocab
-    if draft_vocab and backend == "torch-cuda":
-        why = "--draft-vocab" if draft_vocab != trained_vocab else f"the drafter's draft_vocab_size {trained_vocab}"
-        raise ValueError(
-            f"{why} cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); torch-cuda "
-            "runs the checkpoints as they are"
-        )
     return 0 if draft_vocab == vocab_size else draft_vocab
+
+
+def _warn_uncut(trained_vocab: int, why: str) -> None:
+    """A drafter trained with a draft vocabulary, built where its head cannot be cut: it may draft ids it never learnt
+    (output stays exact; acceptance may fall)."""
+    print(
+        f"[dflash-build] warning: the drafter was trained to draft only ids below {trained_vocab} (its "
+        f"dflash_config.draft_vocab_size), but {why}: it drafts from the whole vocabulary here, including ids it never "
+        "learnt (output is unchanged; acceptance may be lower than with --backend onnxruntime)",
+        file=sys.stderr,
+    )
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
@@ -331,9 +345,10 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
             "--quantize/--quantize-drafter quantize this toolkit's own engines; TensorRT-LLM loads quantized weights "
             "from the checkpoint: pass a quantized checkpoint (e.g. an FP8 one) as --model"
         )
-    if args.draft_vocab or (drafter and drafter.draft_vocab_size):
-        why = "--draft-vocab" if args.draft_vocab else f"the drafter's draft_vocab_size {drafter and drafter.draft_vocab_size}"
-        raise ValueError(f"{why} cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
+    if args.draft_vocab:
+        raise ValueError("--draft-vocab cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
+    if drafter and drafter.draft_vocab_size:
+        _warn_uncut(drafter.draft_vocab_size, "TensorRT-LLM runs the checkpoints as they are")
     parallel = Parallelism(args.tp, args.pp, args.ep)
     check_parallelism(target, parallel)
     alias = ALIASES.get(args.model.lower())

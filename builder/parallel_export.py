@@ -13,6 +13,7 @@ A worker dies with the build (PR_SET_PDEATHSIG), so a killed build leaves no tra
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import shutil
@@ -91,6 +92,20 @@ def _start_worker() -> None:
     torch.set_num_threads(1)
 
 
+@contextmanager
+def _forking() -> Iterator[None]:
+    """Around the forks: the parent's garbage dies in the parent, and what a worker inherits is frozen out of its
+    collector. A worker that collected an unreachable ONNX Runtime session of the parent's (an earlier build or
+    test in the same process) would tear down its thread pool, whose threads it does not have, and wait forever
+    in pthread_cond_destroy (seen in a test run: two workers hung that way while importing sympy)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _trace(name: str) -> tuple[Path, dict[str, ParameterRef]]:
     """In a worker: trace graph `name`, write it without its parameters."""
     assert _TRACING is not None, "workers are forked from traced_in_parallel"
@@ -124,7 +139,8 @@ def traced_in_parallel(graphs: DFlashGraphs, spec: EngineSpec, scratch_parent: P
     _TRACING = (graphs, spec, parameters, scratch)
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork"), initializer=_start_worker)
     try:
-        futures: dict[str, Future[tuple[Path, dict[str, ParameterRef]]]] = {n: pool.submit(_trace, n) for n in GRAPH_NAMES}
+        with _forking():  # the workers are forked as the graphs are submitted
+            futures: dict[str, Future[tuple[Path, dict[str, ParameterRef]]]] = {n: pool.submit(_trace, n) for n in GRAPH_NAMES}
 
         def graph(name: str) -> ir.Model:
             path, refs = futures[name].result()

@@ -91,6 +91,7 @@ def test_bad_draft_vocabularies_fail_at_build_time(
         f"--draft-vocab 64: the drafter was trained to draft only ids below {KEEP} (its dflash_config.draft_vocab_size)"
         in capsys.readouterr().err
     )
-    assert dflash_build([*base[:2], "--drafter", str(trained_cut), *base[4:], "--backend", "torch-cuda"]) == 2
-    assert f"the drafter's draft_vocab_size {KEEP} cuts the drafter's LM head in ONNX engines" in capsys.readouterr().err
+    plan = [*plan[:2], "--drafter", str(trained_cut), "--plan", "--backend", "torch-cuda"]
+    assert dflash_build(plan) == 0  # built uncut where the head cannot be cut, with a warning
+    assert f"warning: the drafter was trained to draft only ids below {KEEP}" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

@@ -274,6 +274,10 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
     # its word-level tokenizer fills the vocabulary: no mask token can be chosen, and the user is told so
     assert dflash_train(["--target", str(target), "--output", str(tmp_path / "x"), "--num-prompts", "2", "--steps", "1"]) == 2
     assert "pass mask_token_id explicitly" in capsys.readouterr().err
+    bad_vocab = ["--target", str(target), "--output", str(tmp_path / "x"), "--mask-token-id", "95", "--draft-vocab", "97"]
+    assert dflash_train(bad_vocab) == 2  # refused before any answer is generated
+    assert "--draft-vocab 97 must be in [1, 96] (the target's vocabulary), or 0 for all of it" in capsys.readouterr().err
+    assert not list((tmp_path / "x").glob("data-*.pt"))
     _train(target, tmp_path / "a", 8)
     first_log = capsys.readouterr().err
     assert "the target answers 6 'code' prompts (24 tokens each)" in first_log

@@ -21,6 +21,7 @@ from dflash_trt.builder.checkpoints import (
     require_buildable,
     skipped_weights,
 )
+from dflash_trt.builder.draft_vocab import check_draft_vocab
 from dflash_trt.builder.drafter_init import drafter_config_dict, untrained_drafter_dir
 from dflash_trt.builder.export import package_exported
 from dflash_trt.builder.export_cache import ExportCache, cached_export, key_record
@@ -212,37 +213,36 @@ def calibrate(
 def _draft_vocab(draft_vocab: int, vocab_size: int, backend: str, trained_vocab: int = 0) -> int:
     """The ids to cut the drafter's LM head to; 0: nothing to cut (--draft-vocab 0, or the whole vocabulary).
     trained_vocab: the drafter's dflash_config.draft_vocab_size (0: none), the default and the most allowed."""
-    if not 0 <= draft_vocab <= vocab_size:
-        raise ValueError(
-            f"--draft-vocab {draft_vocab} must be in [1, {vocab_size}] (the target's vocabulary), or 0 for all of it"
-        )
+    check_draft_vocab(draft_vocab, vocab_size)
     if trained_vocab and draft_vocab > trained_vocab:
         raise ValueError(
             f"--draft-vocab {draft_vocab}: the drafter was trained to draft only ids below {trained_vocab} (its "
             f"dflash_config.draft_vocab_size) and never learnt the others; pass {trained_vocab} or less, or leave it out"
         )
     if backend == "torch-cuda":
-        if draft_vocab:
-            raise ValueError(
-                "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); "
-                "torch-cuda runs the checkpoints as they are"
-            )
-        if trained_vocab:
-            _warn_uncut(trained_vocab, "torch-cuda runs the checkpoints as they are")
+        _build_uncut(draft_vocab, trained_vocab, "torch-cuda")
         return 0
     draft_vocab = draft_vocab or trained_vocab
     return 0 if draft_vocab == vocab_size else draft_vocab
 
 
-def _warn_uncut(trained_vocab: int, why: str) -> None:
-    """A drafter trained with a draft vocabulary, built where its head cannot be cut: it may draft ids it never learnt
-    (output stays exact; acceptance may fall)."""
-    print(
-        f"[dflash-build] warning: the drafter was trained to draft only ids below {trained_vocab} (its "
-        f"dflash_config.draft_vocab_size), but {why}: it drafts from the whole vocabulary here, including ids it never "
-        "learnt (output is unchanged; acceptance may be lower than with --backend onnxruntime)",
-        file=sys.stderr,
-    )
+def _build_uncut(draft_vocab: int, trained_vocab: int, runner: str) -> None:
+    """Where `runner` runs the checkpoints as they are, no head is cut: --draft-vocab is refused, and a drafter trained
+    with a draft vocabulary is built whole with a warning (it may draft ids it never learnt: output stays exact,
+    acceptance may fall)."""
+    if draft_vocab:
+        raise ValueError(
+            "--draft-vocab cuts the drafter's LM head in ONNX engines (--backend onnxruntime or tensorrt); "
+            f"{runner} runs the checkpoints as they are"
+        )
+    if trained_vocab:
+        print(
+            f"[dflash-build] warning: the drafter was trained to draft only ids below {trained_vocab} (its "
+            f"dflash_config.draft_vocab_size), but {runner} runs the checkpoints as they are: it drafts from the whole "
+            "vocabulary here, including ids it never learnt (output is unchanged; acceptance may be lower than with "
+            "--backend onnxruntime)",
+            file=sys.stderr,
+        )
 
 
 def _check_limits(args: argparse.Namespace, block_size: int, max_positions: int) -> None:
@@ -345,10 +345,7 @@ def build_trtllm(args: argparse.Namespace, target: TargetConfig, drafter: Drafte
             "--quantize/--quantize-drafter quantize this toolkit's own engines; TensorRT-LLM loads quantized weights "
             "from the checkpoint: pass a quantized checkpoint (e.g. an FP8 one) as --model"
         )
-    if args.draft_vocab:
-        raise ValueError("--draft-vocab cuts the drafter's LM head in this toolkit's ONNX engines, not in TensorRT-LLM's")
-    if drafter and drafter.draft_vocab_size:
-        _warn_uncut(drafter.draft_vocab_size, "TensorRT-LLM runs the checkpoints as they are")
+    _build_uncut(args.draft_vocab, drafter.draft_vocab_size if drafter else 0, "TensorRT-LLM")
     parallel = Parallelism(args.tp, args.pp, args.ep)
     check_parallelism(target, parallel)
     alias = ALIASES.get(args.model.lower())

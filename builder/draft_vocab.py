@@ -14,6 +14,15 @@ from dflash_trt.builder.quantize import in_target_scope, reads_lm_head
 DRAFTING_GRAPHS = ("prefill", "step")  # the graphs that draft a block (GRAPH_NAMES' others only verify or decode)
 
 
+def check_draft_vocab(draft_vocab: int, vocab_size: int) -> None:
+    """`--draft-vocab N` of dflash-build and dflash-train: 0 (all) or in [1, vocab_size]; else a ValueError naming
+    the range."""
+    if not 0 <= draft_vocab <= vocab_size:
+        raise ValueError(
+            f"--draft-vocab {draft_vocab} must be in [1, {vocab_size}] (the target's vocabulary), or 0 for all of it"
+        )
+
+
 def cut_draft_head(model: ir.Model, keep: int, graph: str) -> None:
     """In place: the drafter's LM-head MatMuls (outside the target's scope, their weight the head [E, V]) read a new
     weight, the first `keep` columns [E, keep], so their argmax is a token id below `keep`."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from dflash_trt.builder.checkpoints import CheckpointError, parse_drafter_config, parse_target_config, read_config_json
+from dflash_trt.builder.draft_vocab import check_draft_vocab
 from dflash_trt.builder.drafter_init import choose_mask_token_id, drafter_config_dict, init_drafter, save_drafter
 from dflash_trt.builder.models import resolve_checkpoint
 from dflash_trt.builder.networks import DrafterNetwork, load_target
@@ -311,11 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target_dir = resolve_checkpoint(args.target)
         target_config = parse_target_config(read_config_json(target_dir))
-        if not 0 <= args.draft_vocab <= target_config.vocab_size:  # before the answers and taps, which take hours
-            raise CheckpointError(
-                f"--draft-vocab {args.draft_vocab} must be in [1, {target_config.vocab_size}] (the target's vocabulary), "
-                "or 0 for all of it"
-            )
+        try:  # before the answers and taps, which take hours
+            check_draft_vocab(args.draft_vocab, target_config.vocab_size)
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
         mask_token_id = args.mask_token_id
         if mask_token_id is None:

@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=LOOKUP_LIMIT,
         help=f"with --verify adaptive: lookup drafts (the text's own repetitions, runtime/lookup.py) of up to this many "
-        f"tokens, verified on steps that verify none of the drafter's where they pay (default {LOOKUP_LIMIT}; 0: none)",
+        f"tokens, verified on steps that verify none of the drafter's where they pay (default {LOOKUP_LIMIT}; 0: none); "
+        "with --concurrency, for DFlash and one at a time",
     )
     parser.add_argument(
         "--against",
@@ -403,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy = args.temperature == 0
 
     if levels:
-        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, args.requests_per_client, args.prefill_chunk)
+        per_client, chunk = args.requests_per_client, args.prefill_chunk
+        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, per_client, chunk, args.lookup_drafts)
         if args.json:
             settings = {
                 "threads": args.threads,
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds": args.rounds,
                 "requests_per_client": args.requests_per_client,
                 "prefill_chunk": args.prefill_chunk,
+                "lookup_drafts": args.lookup_drafts,
             }
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0

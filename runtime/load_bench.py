@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from dflash_trt.runtime.engine import GraphEngine
 from dflash_trt.runtime.loop import Sequence
-from dflash_trt.runtime.scheduler import AdaptiveVerify, PlainDecoding, Scheduler, VerifyPolicy
+from dflash_trt.runtime.scheduler import LOOKUP_LIMIT, AdaptiveVerify, PlainDecoding, Scheduler, VerifyPolicy
 
 REQUESTS_PER_CLIENT = 4  # requests each client sends in a run, about (`requests_at`)
 SLICE_SECONDS = 5.0  # one at a time and a level's pair take turns in slices of about this much stepping
@@ -100,16 +100,17 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def policy_for(mode: str, engine: GraphEngine, slots: int) -> tuple[VerifyPolicy, int]:
+def policy_for(mode: str, engine: GraphEngine, slots: int, lookup_drafts: int = LOOKUP_LIMIT) -> tuple[VerifyPolicy, int]:
     """(verify policy, max active sequences) of a mode whose scheduler gets `slots` of the engine's slots: its
-    policy calibrates on that many (the other modes' slots held meanwhile)."""
+    policy calibrates on that many (the other modes' slots held meanwhile). DFlash and one at a time verify lookup
+    drafts of up to `lookup_drafts` tokens (`AdaptiveVerify.lookup_limit`; 0: none)."""
     held = [engine.pool.acquire() for _ in range(max(engine.pool.free_slots - slots, 0))]
     try:
         if mode == "plain":
             plain = PlainDecoding()
             plain.calibrate(engine)  # its shapes planned before the timed window, as the other modes' are
             return plain, slots
-        return AdaptiveVerify.calibrated(engine), (1 if mode == "one-at-a-time" else slots)
+        return AdaptiveVerify.calibrated(engine, lookup_drafts), (1 if mode == "one-at-a-time" else slots)
     finally:
         for slot in held:
             engine.pool.release(slot)
@@ -131,10 +132,11 @@ class _ClosedLoop:
         requests: int,
         mode: str,
         prefill_chunk: int,
+        lookup_drafts: int,
     ) -> None:
         self.prompts, self.max_tokens = prompts, max_tokens
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
-        policy, max_active = policy_for(mode, engine, concurrency)
+        policy, max_active = policy_for(mode, engine, concurrency, lookup_drafts)
         self.scheduler = Scheduler(engine, policy, max_active, prefill_chunk)
         self.run = next(_RUNS)
         self.pending = deque(range(requests))
@@ -200,23 +202,27 @@ def run_load(
     alone_requests: int = 0,
     alone_first: bool = True,
     prefill_chunk: int = 0,
+    lookup_drafts: int = LOOKUP_LIMIT,
 ) -> dict[str, LoadResult]:
     """For each mode, `requests` greedy requests over `concurrency` closed-loop clients (prompts taken in turn), the
     modes' schedulers on their own slots of one engine, stepping in turn, each timed on its own clock: a machine
     whose speed drifts weighs on every mode alike (this 2-core CPU's speed moves by up to 18% between back-to-back
     one-minute runs, more than the differences measured). With `alone_requests`, one at a time over that many
     requests too, taking turns with them in slices (`take_turns`; `alone_first`: it has the first slice). Every
-    scheduler prefills `prefill_chunk` prompt tokens per step while others generate (`Scheduler`)."""
+    scheduler prefills `prefill_chunk` prompt tokens per step while others generate (`Scheduler`); DFlash and one at
+    a time verify lookup drafts of up to `lookup_drafts` tokens (`policy_for`)."""
     needed = concurrency * len(modes) + (1 if alone_requests else 0)
     if needed > engine.pool.slots:
         raise ValueError(
             f"{len(modes)} modes x {concurrency} clients{' and one at a time' if alone_requests else ''} need {needed} "
             f"slots; the engine has {engine.pool.slots}: load it with more"
         )
-    loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode, prefill_chunk) for mode in modes]
+    loops = [
+        _ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode, prefill_chunk, lookup_drafts) for mode in modes
+    ]
     groups = [loops]
     if alone_requests:
-        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", prefill_chunk)]
+        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", prefill_chunk, lookup_drafts)]
         groups = [alone, loops] if alone_first else [loops, alone]
     take_turns(groups, SLICE_SECONDS if alone_requests else float("inf"))
     return {loop.result.mode: loop.result for group in groups for loop in group}
@@ -267,6 +273,7 @@ def load_table(
     rounds: int = 2,
     per_client: int = REQUESTS_PER_CLIENT,
     prefill_chunk: int = 0,
+    lookup_drafts: int = LOOKUP_LIMIT,
 ) -> list[dict[str, Any]]:
     """Every mode at every concurrency level, in one process, in `rounds` rounds (at each level `round_order` in
     lock step, one at a time over as many requests taking turns with them); each row also says whether its outputs
@@ -281,7 +288,9 @@ def load_table(
     pooled: dict[tuple[int, str], LoadResult] = {}
     for number in range(rounds):
         for concurrency in levels:
-            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], number, prefill_chunk)
+            results = _run_with_progress(
+                engine, prompts, max_tokens, concurrency, requests[concurrency], number, prefill_chunk, lookup_drafts
+            )
             for mode, result in results.items():
                 pooled[concurrency, mode] = _pooled(pooled.get((concurrency, mode)), result)
     rows = []
@@ -313,6 +322,7 @@ def _run_with_progress(
     requests: int,
     number: int,
     prefill_chunk: int,
+    lookup_drafts: int,
 ) -> dict[str, LoadResult]:
     """Round `number` at one level (`run_load`: `round_order`, and one at a time beside them), with a progress line
     per mode: a table's runs take minutes each."""
@@ -327,6 +337,7 @@ def _run_with_progress(
         alone_requests=requests,
         alone_first=first,
         prefill_chunk=prefill_chunk,
+        lookup_drafts=lookup_drafts,
     )
     for mode, result in results.items():
         print(

@@ -18,6 +18,7 @@ from dflash_trt.runtime.load_bench import LoadResult
 from dflash_trt.runtime.loop import Generation, GenerationStats
 from dflash_trt.runtime.prompts import dataset_prompts, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
+from dflash_trt.runtime.scheduler import LOOKUP_LIMIT
 
 
 def _prompts_file(path: Path) -> Path:
@@ -114,8 +115,9 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
         alone_requests: int,
         alone_first: bool,
         prefill_chunk: int,
+        lookup_drafts: int,
     ) -> dict[str, LoadResult]:
-        assert prefill_chunk == 64  # the table's setting reaches every run
+        assert prefill_chunk == 64 and lookup_drafts == 2  # the table's settings reach every run
         order.append((modes, concurrency, requests, alone_requests, alone_first))
         results = {}
         for mode in (*modes, "one-at-a-time"):
@@ -126,7 +128,7 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
     engine = SimpleNamespace(pool=SimpleNamespace(slots=17))
-    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2, prefill_chunk=64)  # type: ignore[arg-type]
+    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2, prefill_chunk=64, lookup_drafts=2)  # type: ignore[arg-type]
     assert order == [
         (("dflash", "plain"), 1, 4, 4, True), (("dflash", "plain"), 8, 32, 32, True),
         (("plain", "dflash"), 1, 4, 4, False), (("plain", "dflash"), 8, 32, 32, False),
@@ -138,6 +140,17 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
     assert by_mode[1, "one-at-a-time"]["identical_to_plain"]
     with pytest.raises(ValueError, match="concurrency 8 needs 17 of the engine's 16 slots"):
         load_bench.load_table(SimpleNamespace(pool=SimpleNamespace(slots=16)), [[1]], 8, [1, 8])  # type: ignore[arg-type]
+
+
+def test_load_modes_verify_lookup_drafts_as_asked(tiny_repo: Path) -> None:
+    """`--lookup-drafts` reaches the load table's policies: DFlash and one at a time verify lookup drafts of up to
+    that many tokens (0: none), plain decoding none whatever is asked."""
+    engine, _ = load_engine(tiny_repo, threads=2, max_batch=4)
+    for lookup_drafts in (0, 2):
+        assert load_bench.policy_for("dflash", engine, 2, lookup_drafts)[0].lookup_limit == lookup_drafts
+        assert load_bench.policy_for("one-at-a-time", engine, 2, lookup_drafts)[0].lookup_limit == lookup_drafts
+        assert load_bench.policy_for("plain", engine, 2, lookup_drafts)[0].lookup_limit == 0
+    assert load_bench.policy_for("dflash", engine, 2)[0].lookup_limit == LOOKUP_LIMIT
 
 
 def test_one_at_a_time_takes_turns_with_a_level_in_slices(tiny_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:

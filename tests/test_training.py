@@ -327,11 +327,16 @@ def test_cli_writes_a_resumable_reproducible_zlab_drafter(
 
 
 def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets_engine(
-    tiny_targets: dict[str, Path], tiny_repo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_targets: dict[str, Path],
+    tiny_repo: Path,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """--generate-with answers the prompts by the built engine's plain batched decoding (7 prompts over 3 slots:
-    prompts join as others finish): every response equals torch's token for token, and the taps and training after
-    it get torch's threads back (the engine's runner sets torch to one thread while ONNX Runtime owns the cores)."""
+    prompts join as others finish): every response equals torch's token for token, and the engine runs in a child
+    process: its runner, which sets torch to one thread while ONNX Runtime owns the cores, never touches the threads
+    of the process that taps and trains."""
 
     def run(target: Path, output: str, *extra: str) -> int:
         return dflash_train(["--target", str(target), "--output", str(tmp_path / output), "--prompt-sets", "code",
@@ -339,14 +344,12 @@ def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets
                              "--steps", "1", "--anchors", "2", "--mask-token-id", "95", *extra])  # fmt: skip
 
     assert run(tiny_targets["qwen3"], "torch") == 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert run(tiny_targets["qwen3"], "engine", "--generate-with", str(tiny_repo)) == 0
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
-    log = capsys.readouterr().err
+    thread_settings: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", thread_settings.append)  # this process's torch, not the child's
+    assert run(tiny_targets["qwen3"], "engine", "--generate-with", str(tiny_repo)) == 0
+    assert thread_settings == []
+    monkeypatch.undo()
+    log = capfd.readouterr().err
     assert f"answers come from the engine in {tiny_repo} (3 slots" in log and "generated 7/7 responses" in log
     by_torch, by_engine = (torch.load(tmp_path / side / "data-code.pt") for side in ("torch", "engine"))
     assert by_engine["prompt_lengths"] == by_torch["prompt_lengths"]
@@ -354,9 +357,11 @@ def test_the_engine_generates_the_same_data_as_torch_and_refuses_another_targets
         assert answer.dtype == expected.dtype and answer.tolist() == expected.tolist()
 
     assert run(tiny_targets["llama"], "other", "--generate-with", str(tiny_repo)) == 2
-    assert "was built from another target" in capsys.readouterr().err
+    assert "was built from another target" in capfd.readouterr().err
     assert run(tiny_targets["qwen3"], "none", "--generate-with", str(tmp_path)) == 2
-    assert "has no manifest.json" in capsys.readouterr().err
+    assert "has no manifest.json" in capfd.readouterr().err
+    assert run(tiny_targets["qwen3"], "long", "--generate-with", str(tiny_repo), "--max-new-tokens", "300") == 2
+    assert f"dflash-train: error: --generate-with {tiny_repo}: " in capfd.readouterr().err  # the child's refusal, as ours
 
 
 def test_code_prompt_sets_are_the_same_in_every_process_and_disjoint() -> None:

@@ -3,7 +3,8 @@
 1. prompt sets ("code": standard-library functions; "code-puzzles": HumanEval-shaped self-written puzzles;
    "prose": writing tasks; all disjoint from HumanEval/MT-Bench)
 2. the target answers them greedily, in batches of equal-length prompts            (cached: OUTPUT/data-SET.pt)
-   (torch, or with --generate-with REPO that target's built engine: plain batched decoding, faster on CPUs)
+   (torch, or with --generate-with REPO that target's built engine in a child process: plain batched decoding,
+   faster on CPUs)
 3. optional corpora ("stdlib-source"): windows of real text the target reads, teacher-forced (cheap: no generation)
 4. tap the target at every position of every sequence        (kept for a resumed run until training ends: OUTPUT/taps.pt)
 5. train with many random anchors per sequence, position-weighted CE towards the target's greedy tokens

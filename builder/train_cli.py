@@ -111,7 +111,7 @@ def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responde
     log(f"answers come from the engine in {repository} ({slots} slots, plain batched greedy decoding, in a child process)")
 
     def respond(prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
-        # A child process per prompt set (~10 s to start and load the engine): the engine's runner sets torch to one
+        # A child process per prompt set (a process start and an engine load each): the engine's runner sets torch to one
         # thread while ONNX Runtime owns the cores, and in this process, even with torch's threads restored after the
         # answers, the training steps that follow ran ~20% slower (1.2 s against 1.0 on a 2-core EPYC).
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
@@ -120,7 +120,7 @@ def engine_responder(repository: Path, target_dir: Path, slots: int) -> Responde
             except RequestError as error:
                 raise CheckpointError(f"--generate-with {repository}: {error}") from None
             except BrokenProcessPool as error:
-                message = f"--generate-with {repository}: the process answering the prompts died ({error}); out of memory?"
+                message = f"--generate-with {repository}: the process answering the prompts died ({error}; killed for memory?)"
                 raise CheckpointError(message) from None
         return [torch.tensor(ids) for ids in answers]
 

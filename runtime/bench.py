@@ -33,7 +33,7 @@ import torch
 from dflash_trt.builder.repository import MANIFEST, TOKENIZER_DIR, read_repository_manifest
 from dflash_trt.runtime.baselines import BASELINES, BaselineJob, run_baseline
 from dflash_trt.runtime.engine import GraphEngine, PrefillRow, StepBatch
-from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, load_table, slots_for
+from dflash_trt.runtime.load_bench import REQUESTS_PER_CLIENT, LoadSettings, load_table, slots_for
 from dflash_trt.runtime.loop import Generation, generate, generate_plain, validate_request
 from dflash_trt.runtime.options import require_at_least
 from dflash_trt.runtime.prompts import dataset_prompts, encode_prompt, prompt_text
@@ -353,6 +353,14 @@ def main(argv: list[str] | None = None) -> int:
         help="with --concurrency: prompt tokens prefilled between two steps while other requests generate, as the "
         f"served model's prefill_chunk_tokens (default {PREFILL_CHUNK}; 0: each prompt whole)",
     )
+    parser.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.0,
+        help="with --concurrency: each prompt's requests ask for --max-tokens x a factor of its own, spread evenly over "
+        "1 - S .. 1 + S (mean 1; default 0: all ask --max-tokens, so plain decoding's closed-loop clients finish and "
+        "are readmitted together, in waves)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG: acceptance histogram and tok/s")
     args = parser.parse_args(argv)
@@ -371,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--requests-per-client {args.requests_per_client}: each client sends at least one request")
     if args.prefill_chunk < 0:
         parser.error(f"--prefill-chunk {args.prefill_chunk}: give prompt tokens per step, or 0 to prefill whole prompts")
+    try:
+        load_settings = LoadSettings(args.prefill_chunk, args.lookup_drafts, args.length_spread)
+    except ValueError:
+        parser.error(f"--length-spread {args.length_spread}: give a share in [0, 1), e.g. 0.5 for 0.5x-1.5x --max-tokens")
     repository = read_repository_manifest(args.repo) if (args.repo / MANIFEST).is_file() else {}
     if repository.get("backend") == "trtllm":
         return bench_served_repository(args, parser, repository)
@@ -396,16 +408,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     tokenizer = AutoTokenizer.from_pretrained(args.repo / TOKENIZER_DIR)
     prompts = [encode_prompt(tokenizer, text) for text in texts]
+    longest = max(load_settings.lengths(args.max_tokens, len(prompts))) if levels else args.max_tokens
     for number, prompt in enumerate(prompts, 1):
         try:
-            validate_request(prompt, args.max_tokens, engine, sampling)
+            validate_request(prompt, longest, engine, sampling)
         except RequestError as error:
             parser.error(f"prompt {number} of --dataset {args.dataset}: {error}")
     greedy = args.temperature == 0
 
     if levels:
-        per_client, chunk = args.requests_per_client, args.prefill_chunk
-        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, per_client, chunk, args.lookup_drafts)
+        rows = load_table(engine, prompts, args.max_tokens, levels, args.rounds, args.requests_per_client, load_settings)
         if args.json:
             settings = {
                 "threads": args.threads,
@@ -416,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 "requests_per_client": args.requests_per_client,
                 "prefill_chunk": args.prefill_chunk,
                 "lookup_drafts": args.lookup_drafts,
+                "length_spread": args.length_spread,
             }
             args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
         return 0

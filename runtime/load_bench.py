@@ -39,6 +39,34 @@ REQUESTS_PER_CLIENT = 4  # requests each client sends in a run, about (`requests
 SLICE_SECONDS = 5.0  # one at a time and a level's pair take turns in slices of about this much stepping
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """How every scheduler of a load run serves and what its requests ask: `prefill_chunk` prompt tokens prefilled per
+    step while others generate (`Scheduler`; 0: whole prompts); DFlash and one at a time verify lookup drafts of up to
+    `lookup_drafts` tokens (`policy_for`); `length_spread`: each prompt's requests ask for max_tokens x a factor of its
+    own, spread evenly over [1 - spread, 1 + spread] (`lengths`; 0: every request max_tokens)."""
+
+    prefill_chunk: int = 0
+    lookup_drafts: int = LOOKUP_LIMIT
+    length_spread: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.length_spread < 1.0:
+            raise ValueError(f"length_spread={self.length_spread}: give a share in [0, 1), e.g. 0.5 for 0.5x-1.5x max_tokens")
+
+    def lengths(self, max_tokens: int, prompts: int) -> list[int]:
+        """Each prompt's max_tokens, the same in every request of it (so its outputs compare across requests and
+        modes): the factors evenly spaced over [1 - spread, 1 + spread], their mean 1, handed out to the prompts in a
+        fixed shuffled order (a prompt's length says nothing of its answer's). With every request asking as many
+        tokens, closed-loop clients of plain decoding finish together and are readmitted together: its batch then
+        runs in waves whose rows read shorter pasts than those of a batch whose rows finish at different steps."""
+        if prompts == 1 or not self.length_spread:
+            return [max_tokens] * prompts
+        rank = np.random.default_rng(0).permutation(prompts)  # [P]: each prompt's place among the factors
+        factors = 1.0 - self.length_spread + 2.0 * self.length_spread * rank / (prompts - 1)
+        return [max(1, round(max_tokens * float(factor))) for factor in factors]
+
+
 @dataclass
 class LoadResult:
     mode: str
@@ -131,13 +159,12 @@ class _ClosedLoop:
         concurrency: int,
         requests: int,
         mode: str,
-        prefill_chunk: int,
-        lookup_drafts: int,
+        settings: LoadSettings,
     ) -> None:
-        self.prompts, self.max_tokens = prompts, max_tokens
+        self.prompts, self.lengths = prompts, settings.lengths(max_tokens, len(prompts))
         self.result = LoadResult(mode, concurrency, requests, 0, 0.0)
-        policy, max_active = policy_for(mode, engine, concurrency, lookup_drafts)
-        self.scheduler = Scheduler(engine, policy, max_active, prefill_chunk)
+        policy, max_active = policy_for(mode, engine, concurrency, settings.lookup_drafts)
+        self.scheduler = Scheduler(engine, policy, max_active, settings.prefill_chunk)
         self.run = next(_RUNS)
         self.pending = deque(range(requests))
         # id(sequence) -> (request number, submit time) and -> time of its last tokens; dropped when it finishes (its
@@ -152,8 +179,8 @@ class _ClosedLoop:
         # Each pass over the prompts of each run is its own prefix scope: a prompt is never served from its own rows
         # of an earlier pass, another mode's or an earlier run's (a benchmark's repetition of its prompt set is not a
         # workload's), while the heads its prompts share are reused within the pass.
-        scope = (self.run, number // len(self.prompts))
-        sequence = Sequence(self.prompts[number % len(self.prompts)], self.max_tokens, prefix_scope=scope)
+        scope, prompt = (self.run, number // len(self.prompts)), number % len(self.prompts)
+        sequence = Sequence(self.prompts[prompt], self.lengths[prompt], prefix_scope=scope)
         self.scheduler.submit(sequence)
         self.started[id(sequence)] = (number, self.result.seconds)
 
@@ -201,28 +228,24 @@ def run_load(
     modes: tuple[str, ...],
     alone_requests: int = 0,
     alone_first: bool = True,
-    prefill_chunk: int = 0,
-    lookup_drafts: int = LOOKUP_LIMIT,
+    settings: LoadSettings = LoadSettings(),
 ) -> dict[str, LoadResult]:
     """For each mode, `requests` greedy requests over `concurrency` closed-loop clients (prompts taken in turn), the
     modes' schedulers on their own slots of one engine, stepping in turn, each timed on its own clock: a machine
     whose speed drifts weighs on every mode alike (this 2-core CPU's speed moves by up to 18% between back-to-back
     one-minute runs, more than the differences measured). With `alone_requests`, one at a time over that many
     requests too, taking turns with them in slices (`take_turns`; `alone_first`: it has the first slice). Every
-    scheduler prefills `prefill_chunk` prompt tokens per step while others generate (`Scheduler`); DFlash and one at
-    a time verify lookup drafts of up to `lookup_drafts` tokens (`policy_for`)."""
+    scheduler serves and every request asks as `settings` says."""
     needed = concurrency * len(modes) + (1 if alone_requests else 0)
     if needed > engine.pool.slots:
         raise ValueError(
             f"{len(modes)} modes x {concurrency} clients{' and one at a time' if alone_requests else ''} need {needed} "
             f"slots; the engine has {engine.pool.slots}: load it with more"
         )
-    loops = [
-        _ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode, prefill_chunk, lookup_drafts) for mode in modes
-    ]
+    loops = [_ClosedLoop(engine, prompts, max_tokens, concurrency, requests, mode, settings) for mode in modes]
     groups = [loops]
     if alone_requests:
-        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", prefill_chunk, lookup_drafts)]
+        alone = [_ClosedLoop(engine, prompts, max_tokens, 1, alone_requests, "one-at-a-time", settings)]
         groups = [alone, loops] if alone_first else [loops, alone]
     take_turns(groups, SLICE_SECONDS if alone_requests else float("inf"))
     return {loop.result.mode: loop.result for group in groups for loop in group}
@@ -272,8 +295,7 @@ def load_table(
     levels: list[int],
     rounds: int = 2,
     per_client: int = REQUESTS_PER_CLIENT,
-    prefill_chunk: int = 0,
-    lookup_drafts: int = LOOKUP_LIMIT,
+    settings: LoadSettings = LoadSettings(),
 ) -> list[dict[str, Any]]:
     """Every mode at every concurrency level, in one process, in `rounds` rounds (at each level `round_order` in
     lock step, one at a time over as many requests taking turns with them); each row also says whether its outputs
@@ -288,9 +310,7 @@ def load_table(
     pooled: dict[tuple[int, str], LoadResult] = {}
     for number in range(rounds):
         for concurrency in levels:
-            results = _run_with_progress(
-                engine, prompts, max_tokens, concurrency, requests[concurrency], number, prefill_chunk, lookup_drafts
-            )
+            results = _run_with_progress(engine, prompts, max_tokens, concurrency, requests[concurrency], number, settings)
             for mode, result in results.items():
                 pooled[concurrency, mode] = _pooled(pooled.get((concurrency, mode)), result)
     rows = []
@@ -321,8 +341,7 @@ def _run_with_progress(
     concurrency: int,
     requests: int,
     number: int,
-    prefill_chunk: int,
-    lookup_drafts: int,
+    settings: LoadSettings,
 ) -> dict[str, LoadResult]:
     """Round `number` at one level (`run_load`: `round_order`, and one at a time beside them), with a progress line
     per mode: a table's runs take minutes each."""
@@ -336,8 +355,7 @@ def _run_with_progress(
         modes,
         alone_requests=requests,
         alone_first=first,
-        prefill_chunk=prefill_chunk,
-        lookup_drafts=lookup_drafts,
+        settings=settings,
     )
     for mode, result in results.items():
         print(

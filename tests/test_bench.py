@@ -14,7 +14,7 @@ import pytest
 from dflash_trt.runtime import load_bench
 from dflash_trt.runtime.bench import EngineRuns, decode_rate, pooled_decode_rate
 from dflash_trt.runtime.bench import main as dflash_bench
-from dflash_trt.runtime.load_bench import LoadResult
+from dflash_trt.runtime.load_bench import LoadResult, LoadSettings
 from dflash_trt.runtime.loop import Generation, GenerationStats
 from dflash_trt.runtime.prompts import dataset_prompts, humaneval_prompts
 from dflash_trt.runtime.repository import load_engine
@@ -114,10 +114,9 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
         modes: tuple[str, ...],
         alone_requests: int,
         alone_first: bool,
-        prefill_chunk: int,
-        lookup_drafts: int,
+        settings: LoadSettings,
     ) -> dict[str, LoadResult]:
-        assert prefill_chunk == 64 and lookup_drafts == 2  # the table's settings reach every run
+        assert settings == LoadSettings(64, 2, 0.25)  # the table's settings reach every run
         order.append((modes, concurrency, requests, alone_requests, alone_first))
         results = {}
         for mode in (*modes, "one-at-a-time"):
@@ -128,7 +127,7 @@ def test_load_table_alternates_the_order_of_modes_and_pools_rounds(monkeypatch: 
 
     monkeypatch.setattr(load_bench, "run_load", fake_run)
     engine = SimpleNamespace(pool=SimpleNamespace(slots=17))
-    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2, prefill_chunk=64, lookup_drafts=2)  # type: ignore[arg-type]
+    rows = load_bench.load_table(engine, [[1, 2], [3]], 8, [1, 8], rounds=2, settings=LoadSettings(64, 2, 0.25))  # type: ignore[arg-type]
     assert order == [
         (("dflash", "plain"), 1, 4, 4, True), (("dflash", "plain"), 8, 32, 32, True),
         (("plain", "dflash"), 1, 4, 4, False), (("plain", "dflash"), 8, 32, 32, False),
@@ -205,6 +204,33 @@ def test_every_request_gets_one_time_to_first_token_however_many_follow(tiny_rep
     assert len(result.inter_token) == result.tokens - 24 * 2  # a request's first emission: its prefill's and its first step's
 
 
+def test_a_length_spread_gives_each_prompt_its_own_max_tokens_evenly_around_the_asked() -> None:
+    """--length-spread 0.5 over 20 prompts: 20 different lengths from 64 to 192 whose mean is 128, not in prompt
+    order, the same every time; none without a spread or with one prompt; a spread of 1 or more is refused."""
+    lengths = LoadSettings(length_spread=0.5).lengths(128, 20)
+    assert (min(lengths), max(lengths), len(set(lengths))) == (64, 192, 20)
+    assert abs(sum(lengths) / 20 - 128) < 0.5 and lengths != sorted(lengths)
+    assert lengths == LoadSettings(length_spread=0.5).lengths(128, 20)
+    assert LoadSettings().lengths(128, 3) == [128] * 3 and LoadSettings(length_spread=0.5).lengths(128, 1) == [128]
+    with pytest.raises(ValueError, match="length_spread=1.0: give a share in"):
+        LoadSettings(length_spread=1.0)
+
+
+def test_a_load_run_with_a_length_spread_ends_each_request_at_its_prompts_length(tiny_repo: Path) -> None:
+    """Two passes over three prompts with --length-spread 0.5: every request of a prompt stops at that prompt's
+    length, and both modes (side by side) give the same tokens for it."""
+    engine, _ = load_engine(tiny_repo, threads=2, max_batch=4)
+    settings = LoadSettings(length_spread=0.5)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    results = load_bench.run_load(engine, prompts, 8, 2, 6, ("dflash", "plain"), settings=settings)
+    lengths = settings.lengths(8, 3)
+    assert sorted(lengths) == [4, 8, 12]
+    for result in results.values():
+        assert [len(result.outputs[prompt]) for prompt in range(3)] == lengths and result.consistent, result.mode
+        assert result.tokens == 2 * sum(lengths), result.mode
+    assert results["dflash"].outputs == results["plain"].outputs
+
+
 def test_a_load_run_reuses_a_shared_head_but_not_a_prompt_from_its_last_pass_or_another_mode(tiny_repo: Path) -> None:
     """Three passes over two prompts with the same head, one client per mode, two modes side by side: in each pass
     the first prompt is prefilled whole (not from its own rows of the pass before, nor from the other mode's slot
@@ -243,6 +269,7 @@ def test_a_prompt_served_twice_with_different_tokens_is_not_identical() -> None:
         (["--lookup-drafts", "16"], "--lookup-drafts 16: a step verifies at most 15 drafts on this engine (block size 16)"),
         (["--concurrency", "1,x"], "--concurrency '1,x': give comma-separated client counts of at least 1"),
         (["--concurrency", "0"], "--concurrency '0': give comma-separated client counts of at least 1"),
+        (["--length-spread", "1"], "--length-spread 1.0: give a share in [0, 1), e.g. 0.5 for 0.5x-1.5x --max-tokens"),
         (["--max-tokens", "100000"], "prompt 1 of --dataset builtin: prompt ("),
     ],
 )

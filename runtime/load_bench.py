@@ -10,6 +10,14 @@ many requests as clients, every client's last request ends in a batch that has d
 HumanEval prompts: the last 4 ran 128 steps at batch 4, and the table read 3.04x one at a time where a full batch
 reads 3.47x), so that measured how a batch empties, not throughput at C.
 
+Every request of a prompt asks for as many tokens: `max_tokens`, or with a length spread (`LoadSettings`) the
+prompt's own share of it. With one length for all, plain decoding's clients finish on one step and are readmitted
+together, and its batch runs in waves: a call reads every row's past up to the batch's longest (`GraphEngine.run`),
+in a wave the longest prompt plus the wave's age, where DFlash's rows, which finish at different steps, are nearly
+always led by one close to its end (session 52, the demo pair, 2 threads: a `decode` call of 64 rows all at
+position 280 took 323 ms, of 64 rows at 150-345, mean 250, 371 ms; in a C = 64 load, `decode` calls of 64 rows
+took 348 ms on average in DFlash's batch against 330 ms in plain decoding's).
+
 Reports aggregate generated tok/s, p50/p99 time to first token and inter-token latency (gap between a client's
 successive tokens, a step's tokens spread evenly over the step), and the share of each step spent on the host.
 At each level DFlash and plain decoding run side by side in lock step (`run_load`): each its own scheduler on its

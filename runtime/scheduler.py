@@ -291,20 +291,23 @@ class AdaptiveVerify:
         runs = self.costs.seconds.get(f"run{drafts}", {})
         if batch in runs or (runs and min(runs) < batch < max(runs)):
             measured = self.costs.estimate(f"run{drafts}", batch)
-            return None if measured is None else measured * self._plain_drift(batch, drafts, plain)
+            return None if measured is None else measured * self._plain_drift(batch, f"run{drafts}", plain)
         verify = self.costs.estimate("verify", batch * (drafts + 1))
         if drafts == 0 or verify is None:
             return verify
         draft = self.costs.estimate("draft", batch * (drafts + 1))
         return None if draft is None else verify + draft
 
-    def _plain_drift(self, batch: int, drafts: int, now: float | None) -> float:
-        """How the plain step's cost at this batch size (k = 0, measured by nearly every step where drafting does
-        not pay; `now`) has moved since steps of `drafts` were timed here: now / then. Costs of a k rarely run are scaled
-        by it, so a comparison with the plain step is between costs of one moment: a plain step whose context has
-        grown, or that ran in a slow minute, is not weighed against a k-step timed at calibration (at batch 16 on
-        the demo pair, 2 cores, that made a 1-draft step read 1.42 plain steps where it cost 1.5-1.6)."""
-        then = self.costs.estimate(f"plain_when_run{drafts}", batch) if drafts else None
+    def _plain_drift(self, batch: int, shape: str, now: float | None) -> float:
+        """How the plain step's cost at this batch size (measured by nearly every step where drafting does not pay;
+        `now`) has moved since steps of `shape` (a cost table: `run{k}`, or `{graph}@{width}` for lookup drafts) were
+        timed here: now / then (1 where `shape` is the plain step or was never timed). Costs of a shape rarely run are
+        scaled by it, so a comparison with the plain step is between costs of one moment: a plain step whose context
+        has grown, or that ran in a slow minute, is not weighed against a wider step timed at calibration (at batch
+        16 on the demo pair, 2 cores, that made a 1-draft step read 1.42 plain steps where it cost 1.5-1.6; in session
+        52, a `decode` of 1 + 1 lookup draft timed at calibration read 1.31 plain steps where it cost 1.56: the
+        calibration's rows all start at one position, a batch's rows read the past of its longest)."""
+        then = self.costs.estimate(f"plain_when_{shape}", batch)
         return 1.0 if not then or now is None else now / then
 
     def optimistic(self, acceptance: np.ndarray, errors: float) -> np.ndarray:
@@ -382,9 +385,10 @@ class AdaptiveVerify:
         """The e <= `lookup_limit` that maximises expected tokens per second of a `graph` step verifying e lookup drafts
         per row (a row with fewer verifies what it has, the rest of its block padding): the rows' tokens, each
         1 + the expected accepted of its drafts (their measured per-position acceptance, as `acceptance` does it
-        for the drafter's), over the step's measured cost at this batch and width; 0 unless that beats verifying
-        none by `lookup_margin`, or where a cost is not measured. On the demo pair (2 cores, batch 1), a `decode` of
-        5 tokens cost 1.09 of one token's, of 3 tokens 1.04; at 16 rows 3.3 and 2.0."""
+        for the drafter's), over the step's measured cost at this batch and width (scaled by how the plain step's
+        cost has moved since, `_plain_drift`); 0 unless that beats verifying none by `lookup_margin`, or where a cost
+        is not measured. On the demo pair (2 cores, batch 1), a `decode` of 5 tokens cost 1.09 of one token's, of 3
+        tokens 1.04; at 16 rows 3.3 and 2.0."""
         most = min(self.lookup_limit, max(available, default=0))
         none = self.costs.estimate(f"{graph}@1", batch)
         if not most or none is None:
@@ -394,9 +398,11 @@ class AdaptiveVerify:
         expected = np.cumsum(np.cumprod(conditional)) - 1.0  # [limit + 1]: accepted drafts of e verified
         best, best_rate = 0, batch / none * (1 + self.lookup_margin)
         for extra in range(1, most + 1):
-            cost = self.costs.estimate(f"{graph}@{1 + extra}", batch)
+            shape = f"{graph}@{1 + extra}"
+            cost = self.costs.estimate(shape, batch)
             if cost is None:
                 break
+            cost *= self._plain_drift(batch, shape, none)
             tokens = batch + sum(expected[min(extra, have)] for have in available)
             if tokens / cost > best_rate:
                 best, best_rate = extra, tokens / cost
@@ -479,8 +485,11 @@ class AdaptiveVerify:
             if plain is not None:
                 self.costs.record(f"plain_when_run{drafted}", batch, plain)
             self.costs.record(f"run{drafted}", batch, seconds)
-        if graph in ("verify", "decode"):
-            self.costs.record(f"{graph}@{width}", batch, seconds)  # by batch, per width: what lookup drafts weigh
+        if graph in ("verify", "decode"):  # by batch, per width: what lookup drafts weigh, and the plain step's then
+            plain = self.costs.estimate(f"{graph}@1", batch) if width > 1 else None
+            if plain is not None:
+                self.costs.record(f"plain_when_{graph}@{width}", batch, plain)
+            self.costs.record(f"{graph}@{width}", batch, seconds)
         if graph == "verify":
             self.costs.record("verify", batch * width, seconds)
         elif graph == "step":  # what it cost beyond verifying is the drafter's, by the block slots it denoised

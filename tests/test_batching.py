@@ -217,6 +217,25 @@ def test_adaptive_verify_weighs_lookup_drafts_by_their_cost_and_acceptance() -> 
     assert policy.lookup_drafts("decode", 1, [4]) == 0
 
 
+def test_lookup_drafts_weigh_a_wide_steps_cost_as_moved_with_the_plain_steps_since_it_was_timed() -> None:
+    """A `decode` of 1 + 1 lookup draft timed at 1.5 plain steps (calibration) does not pay for a draft accepted 40% of
+    the time; live plain steps then cost twice as much (a batch's rows read the past of its longest): the wide step,
+    not run since, still weighs 1.5 of them, not 0.75, so lookup drafts stay off; timed again at 1.3, they pay."""
+    policy = AdaptiveVerify(16, lookup_limit=1)
+    policy._calibrated("decode", 16, 1, 0, 0.100)
+    policy._calibrated("decode", 16, 2, 0, 0.150)
+    for _ in range(400):  # 16 rows with one lookup draft each, accepted in 40% of rows
+        policy._learn_lookup([1] * 6 + [0] * 10, [1] * 16)
+    assert policy.lookup_drafts("decode", 16, [1] * 16) == 0
+    for _ in range(40):  # the plain step now costs twice what it did
+        policy.observe("decode", 16, 1, 0.200, [0] * 16)
+    assert policy.costs.estimate("decode@2", 16) == pytest.approx(0.150)  # as timed, below today's plain step
+    assert policy.lookup_drafts("decode", 16, [1] * 16) == 0
+    for _ in range(40):  # the wide step timed again at 1.3 plain steps
+        policy.observe("decode", 16, 2, 0.260, [1] * 6 + [0] * 10, looked_up=[1] * 16)
+    assert policy.lookup_drafts("decode", 16, [1] * 16) == 1
+
+
 def test_verify_steps_after_decode_steps_leave_the_gap_to_the_catch_up(engine: GraphEngine) -> None:
     """Plain steps that turn from `decode` to `verify` (the policy no longer rules drafting out) while the row's
     drafter context lags: those steps run `decode` (what `verify` would write there, the catch-up recomputes) and the

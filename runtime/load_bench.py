@@ -65,9 +65,7 @@ class LoadSettings:
     def lengths(self, max_tokens: int, prompts: int) -> list[int]:
         """Each prompt's max_tokens, the same in every request of it (so its outputs compare across requests and
         modes): the factors evenly spaced over [1 - spread, 1 + spread], their mean 1, handed out to the prompts in a
-        fixed shuffled order (a prompt's length says nothing of its answer's). With every request asking as many
-        tokens, closed-loop clients of plain decoding finish together and are readmitted together: its batch then
-        runs in waves whose rows read shorter pasts than those of a batch whose rows finish at different steps."""
+        fixed shuffled order (a prompt's length says nothing of its answer's). Why spread them: the module docstring."""
         if prompts == 1 or not self.length_spread:
             return [max_tokens] * prompts
         rank = np.random.default_rng(0).permutation(prompts)  # [P]: each prompt's place among the factors

@@ -196,7 +196,8 @@ class EngineRuns:
 
 def verify_policy(engine: GraphEngine, verify: str, lookup_drafts: int = LOOKUP_LIMIT) -> VerifyPolicy:
     """ "adaptive": what `dflash-serve` runs (calibrated once, then learning across the prompts as a server does),
-    with lookup drafts of up to `lookup_drafts` tokens on steps that draft nothing (0: none); "full": the whole block
+    with lookup drafts of up to `lookup_drafts` tokens on steps that draft nothing and before the drafter's drafts on
+    steps that draft (0: none); "full": the whole block
     every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
     if verify == "full":
         return FixedVerify(engine.block_size - 1)
@@ -253,6 +254,7 @@ def acceptance_summary(runs: list[Generation], block_size: int) -> dict[str, obj
         "tokens_per_step_histogram": [lengths.count(n) for n in range(1, block_size + 1)],
         "lookup_drafts_verified": sum(r.stats.lookup_tokens for r in runs),  # `runtime.lookup`: not the drafter's
         "lookup_drafts_accepted": sum(r.stats.lookup_accepted for r in runs),
+        "lookup_drafts_in_drafting_steps": sum(r.stats.lookup_in_blocks for r in runs),  # in the counts above
     }
 
 
@@ -313,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=LOOKUP_LIMIT,
         help=f"with --verify adaptive: lookup drafts (the text's own repetitions, runtime/lookup.py) of up to this many "
-        f"tokens, verified on steps that verify none of the drafter's where they pay (default {LOOKUP_LIMIT}; 0: none); "
-        "with --concurrency, for DFlash and one at a time",
+        f"tokens, verified on steps that verify none of the drafter's where they pay, and put before the drafter's "
+        f"drafts on steps that draft (default {LOOKUP_LIMIT}; 0: none); with --concurrency, for DFlash and one at a time",
     )
     parser.add_argument(
         "--against",

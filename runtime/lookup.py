@@ -3,6 +3,9 @@
 They cost nothing to make, and the target verifies them as it verifies the drafter's (`verify` and `decode` take a
 block of any width), so outputs stay exact. Where the drafter does not know the traffic (the demo's code drafter on
 chat turns), a text's own repetitions still draft; the verify policy weighs them on steps that draft nothing else.
+On a step that drafts, a row's lookup drafts take the block's first slots and the drafter's the rest
+(`Scheduler._drafting_block`): where answers copy their prompt (code repeating a signature's names), lookup drafts
+are right more often than a small drafter.
 """
 
 from __future__ import annotations

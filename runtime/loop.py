@@ -71,6 +71,7 @@ class GenerationStats:
     position_reached_counts: list[int] = field(default_factory=list)  # [S-1]: steps that verified slot j+1, slots before accepted
     lookup_tokens: int = 0  # lookup drafts the target verified (`runtime.lookup`; not in the counts above)
     lookup_accepted: int = 0  # of those, accepted
+    lookup_in_blocks: int = 0  # drafting steps' block slots that held lookup drafts (in `draft_tokens` and the counts)
     finish_reason: str = "length"  # "length" | "stop" | "cancelled"
 
     def __post_init__(self) -> None:

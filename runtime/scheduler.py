@@ -42,7 +42,8 @@ class VerifyPolicy(Protocol):
     """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
 
     graph_when_idle: str  # the graph that runs when `choose` returns 0: "verify" (keeps the drafter's context) or "decode"
-    lookup_limit: int  # lookup drafts a row may verify on a step that verifies none of the drafter's (0: never)
+    lookup_limit: int  # lookup drafts a row may verify on a step that verifies none of the drafter's (0: never, and
+    # none in drafting steps either: otherwise a step that drafts puts a row's lookup drafts before the drafter's)
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         """Drafts to verify per row in a step of `batch` rows (0 = none); `behind`: tokens whose drafter context the
@@ -756,7 +757,8 @@ class Scheduler:
         drafts = min(wanted, *(s.drafts for s in rows))
         looked_up: list[int] | None = None  # lookup drafts per row, on a step that verifies none of the drafter's
         if graph == "step":
-            batch = self._batch(rows, 1 + drafts, wanted)
+            blocks = [self._drafting_block(s, 1 + drafts) for s in rows] if self.policy.lookup_limit else None
+            batch = self._batch(rows, 1 + drafts, wanted, blocks)
         else:
             proposals = [s.lookup.propose(self.policy.lookup_limit) for s in rows] if self.policy.lookup_limit else []
             extra = self.policy.lookup_drafts(graph, len(rows), [len(p) for p in proposals]) if proposals else 0
@@ -823,6 +825,20 @@ class Scheduler:
             sampling=SamplingTensors.of([s.sampling for s in rows], self.engine.vocab_size),
             drafts=drafts,
         )
+
+    @staticmethod
+    def _drafting_block(sequence: Sequence, width: int) -> np.ndarray:
+        """The sequence's next block, `width` tokens, its first drafts replaced by its lookup drafts where it has any
+        (`runtime.lookup`; counted in its stats' `lookup_in_blocks`). The drafter drafts each block slot from the
+        context alone, not from the slots before it, so its later drafts stay as good behind lookup drafts; any token
+        is verified like a draft, so outputs stay exact. Over the demo pair's HumanEval answers (20 x 128 tokens up to
+        the end of the turn, a greedy loop simulated over the target's own answers) a block of 1 + 4 gave 2.36 tokens
+        a step so against the drafter's 1.89: the answers copy the prompt's names, which lookup drafts find exactly."""
+        block = sequence.block[:width].copy()
+        proposed = sequence.lookup.propose(width - 1)
+        block[1 : 1 + len(proposed)] = proposed
+        sequence.stats.lookup_in_blocks += len(proposed)
+        return block
 
     def _lookup_batch(self, rows: list[Sequence], proposals: list[list[int]], extra: int) -> StepBatch:
         """Each row's last token and `extra` lookup drafts (a row with fewer: its last token repeated after them; any

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 from dflash_trt.builder.graphs import torch_engine
 from dflash_trt.builder.networks import load_pair
-from dflash_trt.runtime.engine import GraphEngine
+from dflash_trt.runtime.engine import GraphEngine, StepBatch, StepResult
 from dflash_trt.runtime.loop import GenerationStats, Sequence, generate, generate_plain
 from dflash_trt.runtime.sampling import RequestError, SamplingParams
 from dflash_trt.runtime.scheduler import (
@@ -191,6 +192,43 @@ def test_lookup_drafts_keep_outputs_exact_on_both_plain_graphs(engine: GraphEngi
         assert sum(r.stats.lookup_tokens for r in served) > 0 and sum(r.stats.lookup_accepted for r in served) > 0
         for r in served:  # the drafter's steps verify whole blocks; lookup steps 1-4 tokens, counted apart
             assert r.stats.draft_tokens % (engine.block_size - 1) == 0 and r.stats.lookup_accepted <= r.stats.lookup_tokens
+
+
+def _recording_step_blocks(
+    engine: GraphEngine, rows: list[Sequence], seen: list[tuple[list[int], list[int]]]
+) -> Callable[[str, StepBatch], StepResult]:
+    """`engine.run` that first appends, for each row of a `step` call, (the row's lookup proposal then, its block)."""
+    run = engine.run
+
+    def recording(graph: str, batch: StepBatch) -> StepResult:
+        if graph == "step":
+            for slot, block in zip(batch.slots.tolist(), batch.block.tolist(), strict=True):
+                row = next(s for s in rows if s.slot == slot)
+                seen.append((row.lookup.propose(len(block) - 1), block))
+        return run(graph, batch)
+
+    return recording
+
+
+def test_lookup_drafts_take_the_first_slots_of_a_drafting_step(engine: GraphEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With lookup drafts on, a step that drafts verifies each row's lookup drafts (`runtime.lookup`) in its first
+    block slots and the drafter's after them: every `step` call's block holds what the row's text proposed; outputs
+    equal plain decoding, greedy and sampled rows in one batch. With lookup drafts off the blocks are the drafter's."""
+    requests = _requests(6, seed=5)
+    alone = [generate_plain(engine, r.prompt, r.max_new_tokens, r.sampling).tokens for r in requests]
+    for lookup_limit in (4, 0):
+        served = [Sequence(list(r.prompt), r.max_new_tokens, r.sampling) for r in requests]
+        seen: list[tuple[list[int], list[int]]] = []  # (a row's proposal when its `step` call ran, the block it got)
+        monkeypatch.setattr(engine, "run", _recording_step_blocks(engine, served, seen))
+        _run_all(Scheduler(engine, ScriptedVerify([4] * 400, "verify", lookup_limit=lookup_limit)), served)
+        monkeypatch.undo()
+        assert [r.tokens for r in served] == alone, f"lookup_limit {lookup_limit}: outputs differ from plain decoding"
+        proposed = [(p, block) for p, block in seen if p]
+        assert len(proposed) > 10, "the requests' texts proposed too few lookup drafts to test with"
+        from_lookup = [block[1 : 1 + len(p)] == p for p, block in proposed]
+        assert all(from_lookup) if lookup_limit else not all(from_lookup)
+        in_blocks = sum(r.stats.lookup_in_blocks for r in served)
+        assert in_blocks == (sum(len(p) for p, _ in proposed) if lookup_limit else 0)
 
 
 def test_adaptive_verify_weighs_lookup_drafts_by_their_cost_and_acceptance() -> None:

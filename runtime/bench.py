@@ -197,8 +197,8 @@ class EngineRuns:
 def verify_policy(engine: GraphEngine, verify: str, lookup_drafts: int = LOOKUP_LIMIT) -> VerifyPolicy:
     """ "adaptive": what `dflash-serve` runs (calibrated once, then learning across the prompts as a server does),
     with lookup drafts of up to `lookup_drafts` tokens on steps that draft nothing and before the drafter's drafts on
-    steps that draft (0: none); "full": the whole block
-    every step (z-lab's loop: its tau is the drafter's, comparable with z-lab's)."""
+    steps that draft (0: none); "full": the whole block every step (z-lab's loop: its tau is the drafter's, comparable
+    with z-lab's)."""
     if verify == "full":
         return FixedVerify(engine.block_size - 1)
     return AdaptiveVerify.calibrated(engine, lookup_drafts)

@@ -42,8 +42,7 @@ class VerifyPolicy(Protocol):
     """Chooses how many drafted tokens each batched step verifies, and learns from what steps cost and accept."""
 
     graph_when_idle: str  # the graph that runs when `choose` returns 0: "verify" (keeps the drafter's context) or "decode"
-    lookup_limit: int  # lookup drafts a row may verify on a step that verifies none of the drafter's (0: never, and
-    # none in drafting steps either: otherwise a step that drafts puts a row's lookup drafts before the drafter's)
+    lookup_limit: int  # lookup drafts a row may verify on a step verifying none of the drafter's (0: no lookup drafts at all)
 
     def choose(self, batch: int, behind: int = 0, rows: tuple[GenerationStats, ...] = (), left: float = np.inf) -> int:
         """Drafts to verify per row in a step of `batch` rows (0 = none); `behind`: tokens whose drafter context the
@@ -757,7 +756,9 @@ class Scheduler:
         drafts = min(wanted, *(s.drafts for s in rows))
         looked_up: list[int] | None = None  # lookup drafts per row, on a step that verifies none of the drafter's
         if graph == "step":
-            blocks = [self._drafting_block(s, 1 + drafts) for s in rows] if self.policy.lookup_limit else None
+            blocks = (
+                [self._drafting_block(s, 1 + drafts) for s in rows] if self.policy.lookup_limit else None
+            )  # else the drafter's
             batch = self._batch(rows, 1 + drafts, wanted, blocks)
         else:
             proposals = [s.lookup.propose(self.policy.lookup_limit) for s in rows] if self.policy.lookup_limit else []
@@ -828,26 +829,22 @@ class Scheduler:
 
     @staticmethod
     def _drafting_block(sequence: Sequence, width: int) -> np.ndarray:
-        """The sequence's next block, `width` tokens, its first drafts replaced by its lookup drafts where it has any
-        (`runtime.lookup`; counted in its stats' `lookup_in_blocks`). The drafter drafts each block slot from the
-        context alone, not from the slots before it, so its later drafts stay as good behind lookup drafts; any token
-        is verified like a draft, so outputs stay exact. Over the demo pair's HumanEval answers (20 x 128 tokens up to
-        the end of the turn, a greedy loop simulated over the target's own answers) a block of 1 + 4 gave 2.36 tokens
-        a step so against the drafter's 1.89: the answers copy the prompt's names, which lookup drafts find exactly."""
-        block = sequence.block[:width].copy()
+        """The sequence's next block, `width` tokens, with its lookup drafts in the first draft slots where it has any
+        (counted in its stats' `lookup_in_blocks`). The drafter drafts each block slot from the context alone, not
+        from the slots before it, so its later drafts stay as good behind lookup drafts. Over the demo pair's
+        HumanEval answers (20 x 128 tokens up to the end of the turn, a greedy loop simulated over the target's own
+        answers) a block of 1 + 4 gave 2.36 tokens a step so against the drafter's 1.89: the answers copy the
+        prompt's names, which lookup drafts find exactly."""
         proposed = sequence.lookup.propose(width - 1)
-        block[1 : 1 + len(proposed)] = proposed
         sequence.stats.lookup_in_blocks += len(proposed)
-        return block
+        return _lookup_first(sequence.block[:width], proposed)
 
     def _lookup_batch(self, rows: list[Sequence], proposals: list[list[int]], extra: int) -> StepBatch:
-        """Each row's last token and `extra` lookup drafts (a row with fewer: its last token repeated after them; any
-        token is verified like a draft, so padding changes no output)."""
-        blocks = []
-        for sequence, proposed in zip(rows, proposals, strict=True):
-            drafts = proposed[:extra]
-            last = int(sequence.block[0])
-            blocks.append(np.array([last, *drafts, *[last] * (extra - len(drafts))], dtype=np.int64))
+        """Each row's last token and `extra` lookup drafts (a row with fewer: its last token repeated after them)."""
+        blocks = [
+            _lookup_first(np.full(1 + extra, s.block[0], dtype=np.int64), proposed[:extra])
+            for s, proposed in zip(rows, proposals, strict=True)
+        ]
         return self._batch(rows, 1 + extra, 0, blocks)
 
     @staticmethod
@@ -879,6 +876,14 @@ class Scheduler:
             self.engine.prefixes.extend(sequence.slot, len(sequence.prompt), answer)
         self.engine.pool.release(sequence.slot)
         sequence.slot = -1
+
+
+def _lookup_first(block: np.ndarray, proposed: list[int]) -> np.ndarray:
+    """A copy of `block` ([last token, guesses...]) with `proposed` lookup drafts in its first draft slots; any token is
+    verified like a draft, so what fills the rest changes no output."""
+    block = block.copy()
+    block[1 : 1 + len(proposed)] = proposed
+    return block
 
 
 def _by_sequence(emitted: list[tuple[Sequence, list[int]]]) -> list[tuple[Sequence, list[int]]]:

@@ -127,6 +127,7 @@ def main() -> int:
         "rss_mib_end_of_load": warm[-1] if warm else None,
         "rss_mib_after_cancels": after_cancels,
         "rss_growth_after_warmup": (after_cancels / warm[0] - 1) if warm else None,
+        "rss_mib_trace": [round(m, 1) for _, m in memory[::30]],  # every 30th sample (~1 s apart): levels off or grows on
         "post_cancel_output_correct": check == expected[0],
         "free_slots_gauge": free,
     }

@@ -756,9 +756,8 @@ class Scheduler:
         drafts = min(wanted, *(s.drafts for s in rows))
         looked_up: list[int] | None = None  # lookup drafts per row, on a step that verifies none of the drafter's
         if graph == "step":
-            blocks = (
-                [self._drafting_block(s, 1 + drafts) for s in rows] if self.policy.lookup_limit else None
-            )  # else the drafter's
+            # with lookup drafts on, each row's lookup drafts lead its block; else the drafter's blocks as they are
+            blocks = [self._drafting_block(s, 1 + drafts) for s in rows] if self.policy.lookup_limit else None
             batch = self._batch(rows, 1 + drafts, wanted, blocks)
         else:
             proposals = [s.lookup.propose(self.policy.lookup_limit) for s in rows] if self.policy.lookup_limit else []
